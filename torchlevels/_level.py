@@ -1,0 +1,156 @@
+"""Levels as dynamically allocated classes.
+
+Every transform invocation (one call of ``vmap(f)``, one ``with vmap() as B``) makes a
+fresh subclass of :class:`LevelTensor` whose parent is the class of the innermost live
+level. PyTorch's ``__torch_dispatch__`` tries a subclass before its parent, so the
+innermost transform runs first, unwraps its own tensors and re-dispatches to the next
+one out. Nothing here keeps an integer level or consults a stack at dispatch time: the
+only state is the ``_innermost`` context variable, read when a new level class is made.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+# The class of the innermost live level, per thread and per context. Read only when a
+# new level class is made (to pick its parent) and by the random-factory hook.
+_innermost: contextvars.ContextVar[type[LevelTensor] | None] = contextvars.ContextVar(
+    "torchlevels_innermost", default=None
+)
+
+
+class EscapedTensorError(RuntimeError):
+    """A tensor of a transform that has already exited was used."""
+
+
+class UnrelatedLevelsError(RuntimeError):
+    """Tensors of two live transforms that are not nested in each other were mixed."""
+
+
+class Level:
+    """The state of one transform invocation; each level class holds one in ``_level``.
+
+    Subclasses implement :meth:`dispatch` (what the transform does to an op) and
+    :meth:`describe` (a short name for error messages, e.g. ``vmap``).
+    """
+
+    kind = "level"
+
+    def __init__(self) -> None:
+        self.alive = True
+        self.where = _user_frame()
+
+    def dispatch(self, cls: type[LevelTensor], func, args: tuple, kwargs: dict) -> Any:
+        raise NotImplementedError
+
+    def wrap(self, cls: type[LevelTensor], tensor: torch.Tensor, *args: Any) -> Any:
+        raise NotImplementedError
+
+    def unwrap(self, cls: type[LevelTensor], tensor: Any, *args: Any) -> Any:
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        return f"{self.kind} (created at {self.where})"
+
+
+def _user_frame() -> str:
+    """The first stack frame outside torchlevels and torch: where the user made a level."""
+    for frame in reversed(traceback.extract_stack(limit=12)[:-1]):
+        name = frame.filename.replace("\\", "/")
+        if not any(part in name for part in ("/torchlevels/", "/torch/", "/contextlib.py")):
+            return f"{frame.filename}:{frame.lineno}"
+    return "<unknown>"
+
+
+class LevelTensor(torch.Tensor):
+    """The base of every level class: a wrapper holding the tensor one level out.
+
+    An instance's ``_inner`` is the tensor it wraps, which may itself be a tensor of an
+    enclosing level. Subclasses are made only by :func:`new_level_class`.
+    """
+
+    _level: Level
+    _inner: torch.Tensor
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    def __new__(cls, tensor: torch.Tensor, *args: Any) -> Any:
+        """``B(t, ...)``: ``t`` as a tensor of level ``B`` (for vmap: ``B(t, dim=0)``)."""
+        return cls._level.wrap(cls, tensor, *args)
+
+    @classmethod
+    def unwrap(cls, tensor: Any, *args: Any) -> Any:
+        """``B.unwrap(t, ...)``: ``t`` one level down (for vmap: ``B.unwrap(t, out_dim=0)``)."""
+        return cls._level.unwrap(cls, tensor, *args)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        level = cls._level
+        if not level.alive:
+            raise EscapedTensorError(escape_message(level, func))
+        for t in types:
+            if t is cls or issubclass(cls, t):
+                continue  # ours, or a tensor of an enclosing level: unbatched here
+            if issubclass(t, LevelTensor):
+                if not t._level.alive:
+                    raise EscapedTensorError(escape_message(t._level, func))
+                if issubclass(t, cls):
+                    return NotImplemented  # a deeper level declined this op
+                raise UnrelatedLevelsError(
+                    f"{func}: got tensors of two unrelated live transforms, "
+                    f"{t._level.describe()} and {level.describe()}. One is not nested in "
+                    "the other, so their batch dimensions cannot be matched. Unwrap the "
+                    "tensor of one transform before using it in the other."
+                )
+            return NotImplemented  # a foreign subclass: let it go first
+        return level.dispatch(cls, func, args, kwargs or {})
+
+    def __repr__(self) -> str:
+        level = type(self)._level
+        if not level.alive:
+            return f"<tensor escaped from {level.describe()}>"
+        return f"{type(self).__name__}(level={level.describe()}, inner={self._inner!r})"
+
+
+def escape_message(level: Level, func) -> str:
+    return (
+        f"{func}: a tensor of {level.describe()} was used after that transform exited. "
+        "It escaped its transform (stored in a list, a global or a closure, or returned "
+        "from the level without being unwrapped). Return it from the transformed function "
+        "instead, or unwrap it with `B.unwrap(t)` before the level exits."
+    )
+
+
+def new_level_class(level: Level, name: str) -> type[LevelTensor]:
+    """Make the class for a new level, a subclass of the innermost live level's class."""
+    parent = _innermost.get() or LevelTensor
+    return type(name, (parent,), {"_level": level, "__module__": __name__})
+
+
+@contextmanager
+def entered(cls: type[LevelTensor]) -> Iterator[type[LevelTensor]]:
+    """Make ``cls`` the innermost live level while the block runs; it is dead after."""
+    token = _innermost.set(cls)
+    try:
+        yield cls
+    finally:
+        cls._level.alive = False
+        _innermost.reset(token)
+
+
+def innermost() -> type[LevelTensor] | None:
+    """The class of the innermost live level in this context, or None."""
+    return _innermost.get()
+
+
+def enclosing_classes(cls: type[LevelTensor] | None) -> Iterator[type[LevelTensor]]:
+    """The level classes from ``cls`` outwards."""
+    while cls is not None and cls is not LevelTensor:
+        yield cls
+        cls = cls.__base__
+

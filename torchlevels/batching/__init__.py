@@ -1,0 +1,12 @@
+"""Batching rules: the registry and one module per op family (importing registers them)."""
+
+from torchlevels.batching import (  # noqa: F401
+    indexing,
+    linalg,
+    matmul,
+    nn,
+    pointwise,
+    random,
+    reductions,
+    views,
+)

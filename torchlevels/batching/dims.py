@@ -1,0 +1,49 @@
+"""Small helpers shared by batching rules: where the batch dim is and moving it."""
+
+from __future__ import annotations
+
+import torch
+
+
+def wrap_dim(dim: int, rank: int) -> int:
+    """``dim`` as a non-negative index into a tensor of ``rank`` dims (0-dim counts as 1)."""
+    bound = max(rank, 1)
+    if not -bound <= dim < bound:
+        raise IndexError(
+            f"Dimension out of range (expected to be in range of [{-bound}, {bound - 1}], "
+            f"but got {dim})"
+        )
+    return dim % bound
+
+
+def logical_rank(x: torch.Tensor, bdim: int | None) -> int:
+    """The number of dims the user sees: the physical ones less the batch dim."""
+    return x.dim() - (bdim is not None)
+
+
+def logical_shape(x: torch.Tensor, bdim: int | None) -> tuple[int, ...]:
+    """The shape the user sees."""
+    shape = tuple(x.shape)
+    return shape if bdim is None else shape[:bdim] + shape[bdim + 1 :]
+
+
+def to_front(x: torch.Tensor, bdim: int | None) -> torch.Tensor:
+    """``x`` with its batch dim first (unchanged when unbatched or already first)."""
+    if bdim is None or bdim == 0:
+        return x
+    return x.movedim(bdim, 0)
+
+
+def materialize(x: torch.Tensor, bdim: int | None, size: int) -> torch.Tensor:
+    """``x`` with a batch dim of ``size`` first: moved there, or expanded when unbatched."""
+    if bdim is None:
+        return x.expand(size, *x.shape)
+    return to_front(x, bdim)
+
+
+def pad_to_rank(x: torch.Tensor, rank: int) -> torch.Tensor:
+    """A front-batched ``x`` with size-1 dims after the batch dim up to logical ``rank``."""
+    missing = rank - (x.dim() - 1)
+    if missing <= 0:
+        return x
+    return x.reshape(x.shape[:1] + (1,) * missing + x.shape[1:])

@@ -1,0 +1,100 @@
+"""The pointwise family: every op tagged ``torch.Tag.pointwise``, plus copy_ and the *_like ops.
+
+Batch dims go first and batched tensors get size-1 dims after the batch dim so that
+logical shapes broadcast as they would unbatched. In-place ops write into the batched
+``self`` and refuse an unbatched ``self`` that would receive batched values.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
+
+from torchlevels.batching.dims import pad_to_rank, to_front
+from torchlevels.batching.registry import register, register_family
+
+aten = torch.ops.aten
+DEFAULT_PROMOTION = ELEMENTWISE_TYPE_PROMOTION_KIND.DEFAULT
+
+
+def pointwise_rule(func, args, dims, kwargs):
+    """Batch any op whose outputs are elementwise functions of broadcast inputs."""
+    rank = 0
+    fast = True
+    scalar_batched = False
+    dtypes = set()
+    for a, d in zip(args, dims):
+        if isinstance(a, torch.Tensor):
+            r = a.dim() - (d is not None)
+            if r > rank:
+                if d is None or rank:
+                    fast = False
+                rank = r
+            elif d is not None and r < rank:
+                fast = False
+            if d is not None:
+                fast = fast and d == 0
+                scalar_batched = scalar_batched or r == 0
+            dtypes.add(a.dtype)
+        elif d is not None:
+            raise NotImplementedError(f"vmap: {func} got a batched list; no pointwise rule for it")
+    if dims[0] is None and (torch.Tag.inplace in func.tags or func is aten.copy_.default):
+        raise_inplace_unbatched_self(func)
+    promote = scalar_batched and len(dtypes) > 1
+    if fast and not promote:
+        return func(*args, **kwargs), 0
+    phys = [pad_to_rank(to_front(a, d), rank) if d is not None else a for a, d in zip(args, dims)]
+    if promote:
+        phys = _promote_batched_scalars(phys, args, dims)
+    return func(*phys, **kwargs), 0
+
+
+def _promote_batched_scalars(phys, args, dims):
+    """Cast batched 0-dim tensors to the dtype the unbatched op would compute in.
+
+    Physically a batched 0-dim tensor has a dim, so it would take part in type promotion
+    as a dimensioned tensor (float64 "scalar" + float32 vector giving float64).
+    """
+    logical = [
+        torch.empty(a.shape[:d] + a.shape[d + 1 :], dtype=a.dtype, device="meta")
+        if d is not None else a
+        for a, d in zip(args, dims)
+        if isinstance(a, torch.Tensor)
+    ]
+    dtype, _ = elementwise_dtypes(*logical, type_promotion_kind=DEFAULT_PROMOTION)
+    return [
+        p.to(dtype) if d is not None and p.dim() == 1 and _same_category(p.dtype, dtype) else p
+        for p, d in zip(phys, dims)
+    ]
+
+
+def _same_category(a: torch.dtype, b: torch.dtype) -> bool:
+    return a != b and a != torch.bool and (a.is_floating_point, a.is_complex) == (
+        b.is_floating_point, b.is_complex
+    )
+
+
+def raise_inplace_unbatched_self(func) -> None:
+    raise RuntimeError(
+        f"vmap: {func}(self, *extra_args) is not possible because there exists a Tensor "
+        "`other` in extra_args that has more elements than `self`. This happened due to "
+        "`other` being vmapped over but `self` not being vmapped over in a vmap. Please try "
+        f"to use out-of-place operators instead of {func}."
+    )
+
+
+def _is_pointwise(func) -> bool:
+    return torch.Tag.pointwise in func.tags
+
+
+register_family("pointwise", _is_pointwise, pointwise_rule)
+register(aten.copy_.default)(pointwise_rule)
+
+
+@register(
+    aten.zeros_like, aten.ones_like, aten.empty_like, aten.full_like, aten.clone,
+    aten._to_copy, aten.alias, aten.detach, aten.lift_fresh,
+)
+def like_rule(func, args, dims, kwargs):
+    """Ops whose output has the input's shape: run on the physical tensor as it is."""
+    return func(*args, **kwargs), dims[0]

@@ -1,0 +1,155 @@
+"""Random ops under vmap, per the level's ``randomness``: "error", "different" or "same".
+
+Random ops that take a batched tensor reach the level's ``__torch_dispatch__`` like any
+op. Random *factories* (``torch.randn(3)``) take no tensor, so no subclass sees them:
+while a vmap level is live we include PyTorch's ``PreDispatch`` key in this thread's
+dispatch set, which falls through for every op except the random factories, for which
+we register a kernel here (the same trick as functorch's ``FuncTorchVmapMode`` key).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+from torchlevels._level import enclosing_classes, innermost
+from torchlevels.batching.dims import logical_shape, to_front
+from torchlevels.batching.pointwise import pointwise_rule
+
+aten = torch.ops.aten
+_PRE_DISPATCH = torch._C.DispatchKey.PreDispatch
+
+ERROR = (
+    "vmap: called random operation while in randomness error mode. Please either use the "
+    "'same' or 'different' randomness flags on vmap or perform the randomness operation "
+    "out of vmap"
+)
+
+
+class _IsRandom(dict):
+    def __missing__(self, func) -> bool:
+        found = self[func] = torch.Tag.nondeterministic_seeded in func.tags
+        return found
+
+
+RANDOM_OPS = _IsRandom()  # RANDOM_OPS[func]: whether func draws random numbers
+_LIKE = {aten.rand_like, aten.randn_like, aten.randint_like}
+
+
+def rule(randomness: str, func, args, dims, kwargs):
+    """The batching rule of every random op that takes a batched tensor."""
+    if randomness == "error":
+        raise RuntimeError(f"{ERROR} (got {func})")
+    inplace = torch.Tag.inplace in func.tags
+    if randomness == "different":
+        if inplace and dims[0] is None:
+            raise RuntimeError(
+                f"vmap: Cannot ask for different inplace randomness on an unbatched tensor "
+                f"({func}). This will appear like same randomness. Make the tensor batched "
+                "first, e.g. x = x.expand(batch_size, *x.shape) outside vmap."
+            )
+        if func.overloadpacket is aten.multinomial:
+            return _multinomial(func, args, dims, kwargs)
+        return pointwise_rule(func, args, dims, kwargs)
+    # randomness == "same": draw once with the logical shape and share it
+    if func.overloadpacket in _LIKE:
+        return func(args[0].select(dims[0], 0), *args[1:], **kwargs), None
+    if inplace and all(d is None for d in dims[1:]):
+        self = to_front(args[0], dims[0])
+        sample = torch.empty_like(self[0])
+        func(sample, *args[1:], **kwargs)
+        self.copy_(sample)
+        return self, 0
+    if func is aten.native_dropout.default and all(d is None for d in dims[1:]):
+        x, p, train = args
+        if not train:
+            return pointwise_rule(func, args, dims, kwargs)
+        mask = torch.empty(logical_shape(x, dims[0]), device=x.device).bernoulli_(1 - p).bool()
+        scale = 1.0 / (1.0 - p) if p < 1 else 0.0
+        return (to_front(x, dims[0]) * mask * scale, mask), (0, None)
+    raise RuntimeError(
+        f"vmap: randomness='same' is not supported for {func} with a batched tensor input: "
+        "the random values would depend on each example. Use randomness='different', or "
+        "move the random op out of vmap."
+    )
+
+
+def _multinomial(func, args, dims, kwargs):
+    probs = to_front(args[0], dims[0])
+    flat = probs.reshape(-1, probs.shape[-1])
+    out = func(flat, *args[1:], **kwargs)
+    return out.reshape(*probs.shape[:-1], out.shape[-1]), 0
+
+
+# -- random factories: torch.randn(3) inside vmap -------------------------------------
+
+
+def _factory_kernel(op):
+    def kernel(*args, **kwargs):
+        with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(_PRE_DISPATCH)):
+            return _batched_factory(op, args, kwargs)
+
+    return kernel
+
+
+def _batched_factory(op, args, kwargs):
+    from torchlevels.vmap import BatchLevel, wrap_batched
+
+    different = []  # classes of the live vmap levels asking for different randomness
+    for cls in enclosing_classes(innermost()):
+        level = cls._level
+        if not isinstance(level, BatchLevel):
+            continue
+        if level.randomness == "error":
+            raise RuntimeError(f"{ERROR} (got {op})")
+        if level.randomness == "different":
+            different.append(cls)
+    if not different:
+        return op(*args, **kwargs)
+    out = _draw(op, args, kwargs, [cls._level.batch_size for cls in reversed(different)])
+    for cls in reversed(different):  # outermost first
+        out = wrap_batched(cls, out, 0)
+    return out
+
+
+def _draw(op, args, kwargs, sizes):
+    """``op``'s output with extra leading dims ``sizes``, each entry drawn independently."""
+    names = [a.name for a in op._schema.arguments]
+    if "size" in names:
+        i = names.index("size")
+        if i < len(args):
+            args = (*args[:i], [*sizes, *args[i]], *args[i + 1 :])
+        else:
+            kwargs = {**kwargs, "size": [*sizes, *kwargs["size"]]}
+        return op(*args, **kwargs)
+    count = 1
+    for s in sizes:
+        count *= s
+    draws = torch.stack([op(*args, **kwargs) for _ in range(count)])
+    return draws.reshape(*sizes, *draws.shape[1:])
+
+
+_library = torch.library.Library("aten", "IMPL")  # noqa: TID251 (kept alive for the process)
+for _packet in (aten.rand, aten.randn, aten.randint, aten.randperm, aten.normal):
+    for _name in _packet.overloads():
+        _op = getattr(_packet, _name)
+        schema = _op._schema
+        if schema.is_mutable or any(isinstance(a.type, torch.TensorType) for a in schema.arguments):
+            continue
+        _library.impl(_op, _factory_kernel(_op), "PreDispatch")
+
+
+@contextlib.contextmanager
+def hook(level) -> Iterator[None]:
+    """While a vmap level is live, route random factories through :func:`_batched_factory`."""
+    if level.randomness == "same":
+        yield
+        return
+    before = torch._C._dispatch_tls_is_dispatch_key_included(_PRE_DISPATCH)
+    torch._C._dispatch_tls_set_dispatch_key_included(_PRE_DISPATCH, True)
+    try:
+        yield
+    finally:
+        torch._C._dispatch_tls_set_dispatch_key_included(_PRE_DISPATCH, before)

@@ -1,0 +1,124 @@
+"""The dim-argument family: reductions, scans, softmax, sort/topk and other ops with a ``dim``.
+
+The rule reads the op's schema once to find its ``dim``/``dims`` argument. Batched
+tensors go first (padded to a common logical rank, as for pointwise ops) and the dim
+shifts by one. For reductions an absent or empty dim list means "every logical dim".
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from torchlevels.batching.dims import pad_to_rank, to_front, wrap_dim
+from torchlevels.batching.registry import register, register_family
+
+aten = torch.ops.aten
+
+
+@functools.cache
+def _dim_arg(func) -> tuple[int, str, str] | None:
+    """(index, name, type) of the op's dim argument, or None."""
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.name in ("dim", "dims"):
+            return i, arg.name, str(arg.type)
+    return None
+
+
+def dim_rule(func, args, dims, kwargs):
+    """Batch an op that works along ``dim``/``dims`` of broadcast tensor inputs."""
+    index, name, typ = _dim_arg(func)
+    reduction = torch.Tag.reduction in func.tags
+    rank = max(a.dim() - (d is not None) for a, d in zip(args, dims) if isinstance(a, torch.Tensor))
+    phys = [
+        pad_to_rank(to_front(a, d), rank) if d is not None else a for a, d in zip(args, dims)
+    ]
+    scalar = rank == 0
+    if scalar:  # a dim of a 0-dim tensor means "the only element": give it a real dim
+        phys = [p.unsqueeze(-1) if d is not None else p for p, d in zip(phys, dims)]
+    positional = index < len(args)
+    dim = args[index] if positional else kwargs.get(name)
+    if isinstance(dim, int):
+        dim = wrap_dim(dim, rank) + 1
+    elif dim is None or (isinstance(dim, (list, tuple)) and not dim):
+        if reduction:
+            dim = list(range(1, max(rank, 1) + 1)) if "[]" in typ else None
+        if dim is None and reduction and "[]" not in typ:
+            return _flat_reduction(func, phys, index, kwargs, positional, scalar)
+    else:
+        dim = [wrap_dim(d, rank) + 1 for d in dim]
+    if positional:
+        phys[index] = dim
+    else:
+        kwargs = {**kwargs, name: dim}
+    out = func(*phys, **kwargs)
+    return _unscalar(out, scalar)
+
+
+def _flat_reduction(func, phys, index, kwargs, positional, scalar):
+    """``dim=None`` for an op with an optional int dim: reduce the flattened tensor."""
+    x = phys[0]
+    flat = x.reshape(x.shape[0], -1)
+    args = [flat, *phys[1:]]
+    if positional:
+        args[index] = 1
+    else:
+        kwargs = {**kwargs, _dim_arg(func)[1]: 1}
+    out = func(*args, **kwargs)
+    keepdim = any(a is True for a in args[index + 1 :]) or kwargs.get("keepdim")
+    if keepdim:
+        shape = (x.shape[0],) + (1,) * (x.dim() - 1 - scalar)
+        out = out.reshape(shape) if isinstance(out, torch.Tensor) else tuple(
+            o.reshape(shape) for o in out
+        )
+        return out, 0 if isinstance(out, torch.Tensor) else tuple(0 for _ in out)
+    return out, 0 if isinstance(out, torch.Tensor) else tuple(0 for _ in out)
+
+
+def _unscalar(out, scalar):
+    def fix(o):
+        return o.squeeze(-1) if scalar and o.dim() == 2 else o
+
+    if isinstance(out, torch.Tensor):
+        return fix(out), 0
+    return type(out)(fix(o) for o in out), tuple(0 for _ in out)
+
+
+def _has_dim_arg(func) -> bool:
+    return torch.Tag.reduction in func.tags and _dim_arg(func) is not None
+
+
+register_family("reduction", _has_dim_arg, dim_rule)
+
+# Ops that work along a dim without the reduction tag: one line declares them all.
+register(
+    aten._softmax, aten._log_softmax, aten._softmax_backward_data,
+    aten._log_softmax_backward_data, aten.cumsum, aten.cumprod, aten.logcumsumexp,
+    aten.cummax, aten.cummin, aten.sort, aten.argsort, aten.topk, aten.kthvalue, aten.flip,
+    aten.median.dim, aten.nanmedian.dim, aten.mode, aten.glu, aten.renorm, aten.linalg_cross,
+    aten.cumsum_, aten.cumprod_, aten.squeeze.dim, aten.squeeze.dims, aten.unfold,
+    aten.glu_backward, aten.logsumexp, aten.nansum, aten.count_nonzero,
+)(dim_rule)
+
+
+def _full(reduce_flat):
+    """A rule for a reduction over every element, given how to reduce a (B, N) tensor."""
+
+    def rule(func, args, dims, kwargs):
+        x = to_front(args[0], dims[0])
+        return reduce_flat(x.reshape(x.shape[0], -1), *args[1:], **kwargs), 0
+
+    return rule
+
+
+register(aten.sum.default)(_full(lambda x, dtype=None: x.sum(1, dtype=dtype)))
+register(aten.mean.default)(_full(lambda x, dtype=None: x.mean(1, dtype=dtype)))
+register(aten.prod.default)(_full(lambda x, dtype=None: x.prod(1, dtype=dtype)))
+register(aten.max.default)(_full(lambda x: x.amax(1)))
+register(aten.min.default)(_full(lambda x: x.amin(1)))
+register(aten.all.default)(_full(lambda x: x.all(1)))
+register(aten.any.default)(_full(lambda x: x.any(1)))
+register(aten.median.default)(_full(lambda x: x.median(1).values))
+register(aten.nanmedian.default)(_full(lambda x: x.nanmedian(1).values))
+register(aten.norm.Scalar)(_full(lambda x, p=2: torch.linalg.vector_norm(x, p, dim=1)))

@@ -1,0 +1,164 @@
+"""The batching-rule registry and how an op finds its rule.
+
+A rule has the shape of the batching-rule guide's, in Python::
+
+    rule(func, args, dims, kwargs) -> (out, out_dims)
+
+``args`` are the op's positional arguments with this level's tensors replaced by the
+tensors they wrap; ``dims`` is parallel to ``args``: the batch dim (an int) of each
+batched tensor, None for anything else, and for a list of tensors a tuple of those.
+``out_dims`` mirrors ``out``. At least one argument is batched.
+
+Precedence, as in PyTorch's dispatcher: an op's own rule (registered for the overload,
+else for its packet) > a family rule (pointwise, reduction, ...) > a decomposition from
+``torch._decomp`` re-dispatched so its pieces are batched > a per-example loop.
+"""
+
+from __future__ import annotations
+
+import enum
+import warnings
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch._ops import OpOverload, OpOverloadPacket
+
+Rule = Callable[[OpOverload, tuple, tuple, dict], tuple[Any, Any]]
+
+
+class How(enum.Enum):
+    OWN = "own rule"
+    FAMILY = "family rule"
+    DECOMPOSITION = "decomposition"
+    LOOP = "slow loop"
+
+
+@dataclass(frozen=True)
+class Resolved:
+    how: How
+    fn: Callable
+    family: str = ""
+
+
+_own: dict[OpOverload | OpOverloadPacket, Rule] = {}
+_families: list[tuple[str, Callable[[OpOverload], bool], Rule]] = []
+_resolved: dict[OpOverload, Resolved] = {}
+# Ops whose decomposition is known to loop back to the op itself or to be wrong here.
+_no_decomposition: set[OpOverload] = set()
+
+
+def register(*ops: OpOverload | OpOverloadPacket) -> Callable[[Rule], Rule]:
+    """Register ``rule`` as the own batching rule of ``ops`` (overloads or packets).
+
+    Example::
+
+        @register(aten.unsqueeze.default)
+        def unsqueeze(func, args, dims, kwargs):
+            x, d = args
+            return x.movedim(dims[0], 0).unsqueeze(wrap_dim(d, x.dim()) + 1), 0
+    """
+
+    def deco(rule: Rule) -> Rule:
+        for op in ops:
+            _own[op] = rule
+        _resolved.clear()
+        return rule
+
+    return deco
+
+
+def register_family(name: str, applies: Callable[[OpOverload], bool], rule: Rule) -> None:
+    """Register a rule for every op for which ``applies(op)`` holds (first match wins)."""
+    _families.append((name, applies, rule))
+    _resolved.clear()
+
+
+def skip_decomposition(*ops: OpOverload) -> None:
+    """Never batch ``ops`` through their ``torch._decomp`` decomposition."""
+    _no_decomposition.update(ops)
+    _resolved.clear()
+
+
+def resolve(func: OpOverload) -> Resolved:
+    """How ``func`` is batched: its own rule, a family rule, a decomposition or the loop."""
+    found = _resolved.get(func)
+    if found is None:
+        found = _resolved[func] = _resolve(func)
+    return found
+
+
+def _resolve(func: OpOverload) -> Resolved:
+    rule = _own.get(func) or _own.get(func.overloadpacket)
+    if rule is not None:
+        return Resolved(How.OWN, rule)
+    for name, applies, rule in _families:
+        if applies(func):
+            return Resolved(How.FAMILY, rule, name)
+    decomposition = _decomposition(func)
+    if decomposition is not None:
+        return Resolved(How.DECOMPOSITION, decomposition)
+    return Resolved(How.LOOP, loop_rule)
+
+
+def _decomposition(func: OpOverload) -> Callable | None:
+    if func in _no_decomposition:
+        return None
+    from torch._decomp import decomposition_table
+
+    decomposition = decomposition_table.get(func)
+    if decomposition is not None:
+        return decomposition
+    if func.has_kernel_for_dispatch_key(torch._C.DispatchKey.CompositeImplicitAutograd):
+        return func.decompose
+    return None
+
+
+def registered_ops() -> Iterable[OpOverload | OpOverloadPacket]:
+    return _own.keys()
+
+
+_warned: set[OpOverload] = set()
+
+
+def loop_rule(func: OpOverload, args: tuple, dims: tuple, kwargs: dict) -> tuple[Any, Any]:
+    """The fallback: run ``func`` once per example and stack the results (slow, warns)."""
+    if func not in _warned:
+        _warned.add(func)
+        warnings.warn(f"no batching rule for {func}; using a slow loop", stacklevel=2)
+    size = batch_size(args, dims)
+    per_example = []
+    for b in range(size):
+        sliced = [_select(a, d, b) for a, d in zip(args, dims)]
+        per_example.append(func(*sliced, **kwargs))
+    first = per_example[0] if per_example else None
+    if isinstance(first, torch.Tensor):
+        return torch.stack(per_example), 0
+    if isinstance(first, (tuple, list)) and all(isinstance(o, torch.Tensor) for o in first):
+        outs = [torch.stack([r[i] for r in per_example]) for i in range(len(first))]
+        return type(first)(outs), type(first)(0 for _ in outs)
+    raise RuntimeError(
+        f"vmap: {func} returned {type(first).__name__}, which cannot be batched by the "
+        "per-example loop. Write a batching rule for it (see docs/writing-batching-rules.md)."
+    )
+
+
+def _select(arg: Any, dim: Any, index: int) -> Any:
+    if dim is None:
+        return arg
+    if isinstance(dim, tuple):
+        return [_select(a, d, index) for a, d in zip(arg, dim)]
+    return arg.select(dim, index)
+
+
+def batch_size(args: Iterable, dims: Iterable) -> int:
+    """The batch size, read off the first batched tensor in ``args``."""
+    for a, d in zip(args, dims):
+        if isinstance(d, int):
+            return a.shape[d]
+        if isinstance(d, tuple):
+            for t, td in zip(a, d):
+                if td is not None:
+                    return t.shape[td]
+    raise AssertionError("a batching rule was called with no batched argument")

@@ -1,0 +1,144 @@
+"""Own rules for views and shape ops: the batch dim goes first and every dim shifts by one."""
+
+from __future__ import annotations
+
+import torch
+
+from torchlevels.batching.dims import logical_shape, materialize, pad_to_rank, to_front, wrap_dim
+from torchlevels.batching.registry import batch_size, register
+
+aten = torch.ops.aten
+
+
+@register(aten.view.default, aten._unsafe_view.default, aten.reshape.default,
+          aten._reshape_alias.default)
+def view(func, args, dims, kwargs):
+    x = to_front(args[0], dims[0])
+    # reshape, not view: moving the batch dim first may have made x non-contiguous
+    return x.reshape(x.shape[0], *args[1]), 0
+
+
+@register(aten.view.dtype)
+def view_dtype(func, args, dims, kwargs):
+    return to_front(args[0], dims[0]).view(args[1]), 0
+
+
+@register(aten.permute.default)
+def permute(func, args, dims, kwargs):
+    x, order = args
+    rank = x.dim() - 1
+    return to_front(x, dims[0]).permute(0, *(wrap_dim(d, rank) + 1 for d in order)), 0
+
+
+@register(aten.transpose.int)
+def transpose(func, args, dims, kwargs):
+    x, d0, d1 = args
+    rank = x.dim() - 1
+    if rank == 0:
+        return x, dims[0]
+    return to_front(x, dims[0]).transpose(wrap_dim(d0, rank) + 1, wrap_dim(d1, rank) + 1), 0
+
+
+@register(aten.t.default)
+def t(func, args, dims, kwargs):
+    x = to_front(args[0], dims[0])
+    return (x.transpose(1, 2) if x.dim() == 3 else x), 0
+
+
+@register(aten.expand.default)
+def expand(func, args, dims, kwargs):
+    x, size = args[0], args[1]
+    x = pad_to_rank(to_front(x, dims[0]), len(size))
+    return x.expand(x.shape[0], *size), 0
+
+
+@register(aten.squeeze.default)
+def squeeze(func, args, dims, kwargs):
+    x = to_front(args[0], dims[0])
+    ones = [d for d in range(1, x.dim()) if x.shape[d] == 1]
+    return (x.squeeze(ones) if ones else x), 0
+
+
+@register(aten.unsqueeze.default)
+def unsqueeze(func, args, dims, kwargs):
+    x, d = args
+    return to_front(x, dims[0]).unsqueeze(wrap_dim(d, x.dim()) + 1), 0
+
+
+@register(aten.select.int)
+def select(func, args, dims, kwargs):
+    x, d, index = args
+    return to_front(x, dims[0]).select(wrap_dim(d, x.dim() - 1) + 1, index), 0
+
+
+@register(aten.slice.Tensor)
+def slice_(func, args, dims, kwargs):
+    x, d, *rest = args
+    return func(to_front(x, dims[0]), wrap_dim(d, x.dim() - 1) + 1, *rest, **kwargs), 0
+
+
+@register(aten.diagonal.default)
+def diagonal(func, args, dims, kwargs):
+    x, offset, d1, d2 = (list(args) + [0, 0, 1][len(args) - 1 :])[:4]
+    rank = x.dim() - 1
+    return to_front(x, dims[0]).diagonal(offset, wrap_dim(d1, rank) + 1,
+                                         wrap_dim(d2, rank) + 1), 0
+
+
+@register(aten.unbind.int, aten.split.Tensor, aten.split_with_sizes.default,
+          aten.tensor_split.sections, aten.tensor_split.indices, aten.chunk.default)
+def split(func, args, dims, kwargs):
+    x, *rest = args
+    if func is aten.unbind.int:
+        sizes, d = [], (rest[0] if rest else 0)
+    else:
+        sizes, d = rest[:1], (rest[1] if len(rest) > 1 else 0)
+    outs = func(to_front(x, dims[0]), *sizes, wrap_dim(d, x.dim() - 1) + 1, **kwargs)
+    return outs, type(outs)(0 for _ in outs)
+
+
+@register(aten.cat.default)
+def cat(func, args, dims, kwargs):
+    tensors, d = args[0], (args[1] if len(args) > 1 else 0)
+    size = batch_size(args, dims)
+    # cat skips 1-D empty tensors whatever the rank of the others (legacy behaviour)
+    kept = [(t, td) for t, td in zip(tensors, dims[0]) if logical_shape(t, td) != (0,)]
+    kept = kept or list(zip(tensors, dims[0]))
+    rank = len(logical_shape(*kept[0]))
+    return torch.cat([materialize(t, td, size) for t, td in kept], wrap_dim(d, rank) + 1), 0
+
+
+@register(aten.stack.default)
+def stack(func, args, dims, kwargs):
+    tensors, d = args[0], (args[1] if len(args) > 1 else 0)
+    size = batch_size(args, dims)
+    first = tensors[0]
+    rank = first.dim() - (dims[0][0] is not None)
+    phys = [materialize(t, td, size) for t, td in zip(tensors, dims[0])]
+    return torch.stack(phys, wrap_dim(d, rank + 1) + 1), 0
+
+
+@register(aten.repeat.default)
+def repeat(func, args, dims, kwargs):
+    x, repeats = args
+    x = pad_to_rank(to_front(x, dims[0]), len(repeats))
+    return x.repeat(1, *repeats), 0
+
+
+@register(aten.roll.default)
+def roll(func, args, dims, kwargs):
+    x, shifts, *rest = args
+    d = rest[0] if rest else []
+    x = to_front(x, dims[0])
+    if not d:  # roll the flattened tensor
+        return x.reshape(x.shape[0], -1).roll(shifts, 1).reshape(x.shape), 0
+    return x.roll(shifts, [wrap_dim(i, x.dim() - 1) + 1 for i in d]), 0
+
+
+@register(aten.squeeze_, aten.unsqueeze_, aten.transpose_, aten.t_, aten.as_strided_,
+          aten.resize_, aten.swapdims_, aten.swapaxes_)
+def inplace_view(func, args, dims, kwargs):
+    raise RuntimeError(
+        f"vmap: {func} changes the shape of a batched tensor in place, which is not "
+        f"supported. Use the out-of-place op instead (e.g. x = x.unsqueeze(0))."
+    )

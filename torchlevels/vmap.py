@@ -1,0 +1,366 @@
+"""vmap: the batched level and its public function / context manager.
+
+A batched tensor of level ``B`` is a wrapper whose logical shape is its inner tensor's
+shape without the batch dim ``_bdim``. ``B``'s ``__torch_dispatch__`` unwraps the
+arguments that are ``B``'s own, finds the op's batching rule (see batching/registry.py),
+runs it on the inner tensors (which may belong to enclosing levels and dispatch there)
+and wraps the outputs that carry a batch dim.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from torchlevels import batching  # noqa: F401  (registers the rules)
+from torchlevels._level import Level, LevelTensor, entered, new_level_class
+from torchlevels.batching import random as batched_random
+from torchlevels.batching.registry import How, resolve
+
+_make_wrapper_subclass = torch.Tensor._make_wrapper_subclass
+_restore_tls = torch._C._RestorePythonTLSSnapshot
+RANDOMNESS = ("error", "different", "same")
+
+
+class BatchLevel(Level):
+    """One vmap invocation: its batch size (fixed by the first wrapped tensor) and randomness."""
+
+    kind = "vmap"
+
+    def __init__(self, randomness: str = "error", batch_size: int | None = None) -> None:
+        super().__init__()
+        if randomness not in RANDOMNESS:
+            raise RuntimeError(
+                "Only allowed values for randomness are 'error', 'different', or 'same'. "
+                f"Got {randomness}"
+            )
+        self.randomness = randomness
+        self.batch_size = batch_size
+
+    def describe(self) -> str:
+        return f"vmap (batch size {self.batch_size}, created at {self.where})"
+
+    # -- entering and leaving the level ------------------------------------------------
+    def wrap(self, cls: type[LevelTensor], tensor: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{cls.__name__}(t, dim): t must be a Tensor, got {type(tensor)}")
+        if not -tensor.dim() <= dim < tensor.dim():
+            raise ValueError(
+                f"{cls.__name__}(t, dim={dim}): t has {tensor.dim()} dims, so dim must satisfy "
+                f"-{tensor.dim()} <= dim < {tensor.dim()}"
+            )
+        dim %= tensor.dim()
+        size = tensor.shape[dim]
+        if self.batch_size is None:
+            self.batch_size = size
+        elif size != self.batch_size:
+            raise ValueError(
+                "vmap: Expected all tensors to have the same size in the mapped dimension, "
+                f"got sizes {[self.batch_size, size]} for the mapped dimension"
+            )
+        return wrap_batched(cls, tensor, dim)
+
+    def unwrap(self, cls: type[LevelTensor], tensor: Any, out_dim: int | None = 0) -> Any:
+        if type(tensor) is not cls:
+            if out_dim is None or not isinstance(tensor, torch.Tensor):
+                return tensor
+            out_dim %= tensor.dim() + 1
+            sizes = [-1] * (tensor.dim() + 1)
+            sizes[out_dim] = self.batch_size
+            return tensor.unsqueeze(out_dim).expand(sizes)
+        if out_dim is None:
+            raise ValueError(
+                "vmap: a batched tensor cannot be returned with out_dim=None; "
+                "only unbatched outputs may use out_dims=None"
+            )
+        return tensor._inner.movedim(tensor._bdim, out_dim)
+
+    # -- the hot path: one op -----------------------------------------------------------
+    def dispatch(self, cls, func, args, kwargs):
+        if batched_random.RANDOM_OPS[func]:
+            phys, dims, grad = unwrap_args(cls, args)
+            out, out_dims = batched_random.rule(self.randomness, func, phys, dims, kwargs)
+            return wrap_outputs(cls, func, args, out, out_dims)
+        resolved = resolve(func)
+        if resolved.how is How.DECOMPOSITION:
+            return resolved.fn(*args, **kwargs)
+        phys, dims, grad = unwrap_args(cls, args)
+        if kwargs and any(type(v) is cls for v in kwargs.values()):
+            raise NotImplementedError(
+                f"vmap: {func} got a batched tensor as a keyword-only argument, which no "
+                "batching rule handles. Pass it positionally or write a rule for the op."
+            )
+        if grad and torch.is_grad_enabled():
+            # Record autograd on the inner tensors, so autograd outside vmap sees the graph.
+            with _restore_tls():
+                out, out_dims = resolved.fn(func, phys, dims, kwargs)
+        else:
+            out, out_dims = resolved.fn(func, phys, dims, kwargs)
+        return wrap_outputs(cls, func, args, out, out_dims)
+
+
+def wrap_batched(cls, inner: torch.Tensor, bdim: int) -> torch.Tensor:
+    """A tensor of vmap level ``cls`` whose batch dim is ``bdim`` of ``inner``."""
+    shape = inner.shape
+    strides = inner.stride()
+    out = _make_wrapper_subclass(
+        cls, shape[:bdim] + shape[bdim + 1 :], strides=strides[:bdim] + strides[bdim + 1 :],
+        dtype=inner.dtype, device=inner.device,
+    )
+    out._inner = inner
+    out._bdim = bdim
+    return out
+
+
+def unwrap_args(cls, args: tuple) -> tuple[list, list, bool]:
+    """Physical args, their batch dims, and whether any requires grad."""
+    phys = []
+    dims = []
+    grad = False
+    for a in args:
+        if type(a) is cls:
+            inner = a._inner
+            phys.append(inner)
+            dims.append(a._bdim)
+            grad = grad or inner.requires_grad
+        elif type(a) is list and any(type(t) is cls for t in a):
+            phys.append([t._inner if type(t) is cls else t for t in a])
+            dims.append(tuple(t._bdim if type(t) is cls else None for t in a))
+            grad = grad or any(isinstance(t, torch.Tensor) and t.requires_grad for t in phys[-1])
+        else:
+            phys.append(a)
+            dims.append(None)
+            grad = grad or (isinstance(a, torch.Tensor) and a.requires_grad)
+    return phys, dims, grad
+
+
+def wrap_outputs(cls, func, args, out, out_dims):
+    if out_dims is None:
+        return out
+    if isinstance(out_dims, int):
+        if _is_inplace(func) and type(args[0]) is cls:
+            return args[0]
+        return wrap_batched(cls, out, out_dims)
+    return type(out)(
+        o if d is None else (args[i] if _is_inplace_output(func, i, args, cls)
+                             else wrap_batched(cls, o, d))
+        for i, (o, d) in enumerate(zip(out, out_dims))
+    )
+
+
+@functools.cache
+def _is_inplace(func) -> bool:
+    """Whether ``func`` writes its first argument and returns it (``add_``, ``copy_``...)."""
+    schema = func._schema
+    first = schema.arguments[0].alias_info if schema.arguments else None
+    ret = schema.returns[0].alias_info if schema.returns else None
+    return bool(first and first.is_write and ret and ret.is_write)
+
+
+def _is_inplace_output(func, i, args, cls) -> bool:
+    schema = func._schema
+    ret = schema.returns[i].alias_info
+    if not (ret and ret.is_write):
+        return False
+    for a, arg in zip(schema.arguments, args):
+        if a.alias_info is not None and a.alias_info.before_set == ret.before_set:
+            return type(arg) is cls
+    return False
+
+
+# -- the public API -----------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def batch_level(randomness: str = "error", batch_size: int | None = None) -> Iterator[type]:
+    """Enter a fresh vmap level; yields its class (see :func:`vmap` with no function)."""
+    level = BatchLevel(randomness, batch_size)
+    cls = new_level_class(level, "BatchedTensor")
+    with entered(cls), batched_random.hook(level):
+        yield cls
+
+
+def vmap(
+    func: Callable | None = None,
+    in_dims: Any = 0,
+    out_dims: Any = 0,
+    randomness: str = "error",
+    *,
+    chunk_size: int | None = None,
+) -> Any:
+    """Vectorize ``func`` over a batch dimension of its inputs (a drop-in for torch.func.vmap).
+
+    ``in_dims`` and ``out_dims`` are pytree prefixes of the inputs and outputs: an int
+    names the mapped dim, None leaves that input unbatched. Keyword arguments are not
+    mapped. ``randomness`` is "error" (random ops raise), "different" (each example draws
+    its own numbers) or "same" (one draw shared by all examples). ``chunk_size`` runs the
+    batch in chunks of that many examples to bound memory.
+
+    With no function, ``vmap()`` is a context manager yielding the level's class ``B``:
+    ``B(t, dim=0)`` makes a batched tensor and ``B.unwrap(t, out_dim=0)`` takes it back.
+
+    Example::
+
+        >>> import torch
+        >>> from torchlevels import vmap
+        >>> x, y = torch.randn(5, 3), torch.randn(5, 3)
+        >>> torch.allclose(vmap(torch.dot)(x, y), (x * y).sum(1))
+        True
+        >>> with vmap() as B0, vmap() as B1:
+        ...     z = B0(torch.randn(10, 2)) + B1(torch.randn(15, 2))
+        ...     B0.unwrap(B1.unwrap(z)).shape
+        torch.Size([10, 15, 2])
+    """
+    if func is None:
+        if randomness not in RANDOMNESS:
+            BatchLevel(randomness)  # raises the error
+        return batch_level(randomness)
+    if randomness not in RANDOMNESS:
+        raise RuntimeError(
+            "Only allowed values for randomness are 'error', 'different', or 'same'. "
+            f"Got {randomness}"
+        )
+    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size <= 0):
+        raise ValueError(f"vmap: chunk_size should be None or greater than 0. (got {chunk_size})")
+
+    @functools.wraps(func)
+    def wrapped(*args, **kwargs):
+        flat_args, flat_dims, spec, size = _flat_inputs(func, in_dims, args)
+        if chunk_size is None or chunk_size >= size:
+            return _vmap_call(func, flat_args, flat_dims, spec, kwargs, out_dims, randomness, size)
+        return _chunked_call(
+            func, flat_args, flat_dims, spec, kwargs, out_dims, randomness, size, chunk_size
+        )
+
+    return wrapped
+
+
+def _name(func: Callable) -> str:
+    if isinstance(func, functools.partial):
+        return f"functools.partial({_name(func.func)}, ...)"
+    return getattr(func, "__name__", repr(func))
+
+
+def _flat_inputs(func, in_dims, args) -> tuple[list, list, Any, int]:
+    name = _name(func)
+    if not isinstance(in_dims, (int, tuple)) and in_dims is not None:
+        raise ValueError(
+            f"vmap({name}, in_dims={in_dims}, ...)(<inputs>): expected `in_dims` to be int or "
+            f"a (potentially nested) tuple matching the structure of inputs, got: {type(in_dims)}."
+        )
+    if len(args) == 0:
+        raise ValueError(
+            f"vmap({name})(<inputs>): got no inputs. Maybe you forgot to add inputs, or you "
+            "are trying to vmap over a function with no inputs. The latter is unsupported."
+        )
+    flat_args, spec = tree_flatten(args)
+    flat_dims = _broadcast_prefix(in_dims if isinstance(in_dims, tuple) else (in_dims,) * len(args),
+                                  args)
+    if flat_dims is None:
+        raise ValueError(
+            f"vmap({name}, in_dims={in_dims}, ...)(<inputs>): in_dims is not compatible with "
+            f"the structure of `inputs`. in_dims has structure {tree_flatten(in_dims)[1]} but "
+            f"inputs has structure {spec}."
+        )
+    sizes = []
+    for i, (arg, dim) in enumerate(zip(flat_args, flat_dims)):
+        if dim is None:
+            continue
+        if not isinstance(dim, int):
+            raise ValueError(
+                f"vmap({name}, in_dims={in_dims}, ...)(<inputs>): Got in_dim={dim} for an input "
+                "but in_dim must be either an integer dimension or None."
+            )
+        if not isinstance(arg, torch.Tensor):
+            raise ValueError(
+                f"vmap({name}, in_dims={in_dims}, ...)(<inputs>): Got in_dim={dim} for an input "
+                f"but the input is of type {type(arg)}. We cannot vmap over non-Tensor "
+                "arguments, please use None as the respective in_dim"
+            )
+        if not -arg.dim() <= dim < arg.dim():
+            raise ValueError(
+                f"vmap({name}, in_dims={in_dims}, ...)(<inputs>): Got in_dim={dim} for some "
+                f"input, but that input is a Tensor of dimensionality {arg.dim()} so expected "
+                f"in_dim to satisfy -{arg.dim()} <= in_dim < {arg.dim()}."
+            )
+        flat_dims[i] = dim % arg.dim()
+        sizes.append(arg.shape[flat_dims[i]])
+    if not sizes:
+        raise ValueError("vmap: Expected at least one Tensor to vmap over")
+    if any(s != sizes[0] for s in sizes):
+        raise ValueError(
+            "vmap: Expected all tensors to have the same size in the mapped dimension, "
+            f"got sizes {sizes} for the mapped dimension"
+        )
+    return flat_args, flat_dims, spec, sizes[0]
+
+
+def _broadcast_prefix(prefix: Any, tree: Any) -> list | None:
+    from torch.utils._pytree import _broadcast_to_and_flatten
+
+    return _broadcast_to_and_flatten(prefix, tree_flatten(tree)[1])
+
+
+def _vmap_call(func, flat_args, flat_dims, spec, kwargs, out_dims, randomness, size):
+    with batch_level(randomness, size) as B:
+        batched = [a if d is None else wrap_batched(B, a, d) for a, d in zip(flat_args, flat_dims)]
+        out = func(*tree_unflatten(batched, spec), **kwargs)
+        flat_out, out_spec = tree_flatten(out)
+        flat_out_dims = _broadcast_prefix(out_dims, out)
+        name = _name(func)
+        if flat_out_dims is None:
+            raise ValueError(
+                f"vmap({name}, ..., out_dims={out_dims})(<inputs>): out_dims is not compatible "
+                f"with the structure of `outputs`. out_dims has structure "
+                f"{tree_flatten(out_dims)[1]} but outputs has structure {out_spec}."
+            )
+        results = []
+        for o, d in zip(flat_out, flat_out_dims):
+            if d is not None and not isinstance(d, int):
+                raise ValueError(
+                    f"vmap({name}, ..., out_dims={out_dims}): `out_dims` must be an int, None or "
+                    "a python collection of ints representing where in the outputs the vmapped "
+                    "dimension should appear."
+                )
+            if not isinstance(o, torch.Tensor):
+                if d is None:
+                    results.append(o)
+                    continue
+                raise ValueError(
+                    f"vmap({name}, ...): `{name}` must only return Tensors, got type {type(o)}. "
+                    "Did you mean to set out_dims= to None for output?"
+                )
+            if d is None and type(o) is B:
+                raise ValueError(
+                    f"vmap({name}, ...): `{name}` can not return a BatchedTensor when out_dim "
+                    "is None"
+                )
+            results.append(B._level.unwrap(B, o, d))
+        return tree_unflatten(results, out_spec)
+
+
+def _chunked_call(func, flat_args, flat_dims, spec, kwargs, out_dims, randomness, size, chunk):
+    starts = range(0, size, chunk)
+    rng = torch.random.get_rng_state() if randomness == "same" else None
+    pieces = []
+    for start in starts:
+        if rng is not None:
+            torch.random.set_rng_state(rng)
+        args = [a if d is None else a.narrow(d, start, min(chunk, size - start))
+                for a, d in zip(flat_args, flat_dims)]
+        n = min(chunk, size - start)
+        pieces.append(_vmap_call(func, args, flat_dims, spec, kwargs, out_dims, randomness, n))
+    flat_pieces = [tree_flatten(p)[0] for p in pieces]
+    out_spec = tree_flatten(pieces[0])[1]
+    flat_out_dims = _broadcast_prefix(out_dims, pieces[0])
+    merged = [
+        pieces_i[0] if d is None else torch.cat(pieces_i, dim=d)
+        for pieces_i, d in zip(zip(*flat_pieces), flat_out_dims)
+    ]
+    return tree_unflatten(merged, out_spec)
+
