@@ -49,10 +49,10 @@ class Level:
     def dispatch(self, cls: type[LevelTensor], func, args: tuple, kwargs: dict) -> Any:
         raise NotImplementedError
 
-    def wrap(self, cls: type[LevelTensor], tensor: torch.Tensor, *args: Any) -> Any:
+    def wrap(self, cls: type[LevelTensor], tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError
 
-    def unwrap(self, cls: type[LevelTensor], tensor: Any, *args: Any) -> Any:
+    def unwrap(self, cls: type[LevelTensor], tensor: Any, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError
 
     def describe(self) -> str:
@@ -79,14 +79,14 @@ class LevelTensor(torch.Tensor):
     _inner: torch.Tensor
     __torch_function__ = torch._C._disabled_torch_function_impl
 
-    def __new__(cls, tensor: torch.Tensor, *args: Any) -> Any:
+    def __new__(cls, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         """``B(t, ...)``: ``t`` as a tensor of level ``B`` (for vmap: ``B(t, dim=0)``)."""
-        return cls._level.wrap(cls, tensor, *args)
+        return cls._level.wrap(cls, tensor, *args, **kwargs)
 
     @classmethod
-    def unwrap(cls, tensor: Any, *args: Any) -> Any:
+    def unwrap(cls, tensor: Any, *args: Any, **kwargs: Any) -> Any:
         """``B.unwrap(t, ...)``: ``t`` one level down (for vmap: ``B.unwrap(t, out_dim=0)``)."""
-        return cls._level.unwrap(cls, tensor, *args)
+        return cls._level.unwrap(cls, tensor, *args, **kwargs)
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):

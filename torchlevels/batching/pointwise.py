@@ -63,8 +63,8 @@ def _promote_batched_scalars(phys, args, dims):
     ]
     dtype, _ = elementwise_dtypes(*logical, type_promotion_kind=DEFAULT_PROMOTION)
     return [
-        p.to(dtype) if d is not None and p.dim() == 1 and _same_category(p.dtype, dtype) else p
-        for p, d in zip(phys, dims)
+        p.to(dtype) if d is not None and a.dim() == 1 and _same_category(p.dtype, dtype) else p
+        for p, a, d in zip(phys, args, dims)
     ]
 
 

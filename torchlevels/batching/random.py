@@ -1,10 +1,11 @@
 """Random ops under vmap, per the level's ``randomness``: "error", "different" or "same".
 
 Random ops that take a batched tensor reach the level's ``__torch_dispatch__`` like any
-op. Random *factories* (``torch.randn(3)``) take no tensor, so no subclass sees them:
-while a vmap level is live we include PyTorch's ``PreDispatch`` key in this thread's
-dispatch set, which falls through for every op except the random factories, for which
-we register a kernel here (the same trick as functorch's ``FuncTorchVmapMode`` key).
+op. But ``torch.randn(3)`` takes no tensor, and ``torch.bernoulli(p)`` may take none of a
+level's tensors, so that level never sees them. While a vmap level is live we include
+PyTorch's ``PreDispatch`` key in this thread's dispatch set: it falls through for every
+op except the random ones, for which we register a kernel here that applies each live
+level's randomness (the same trick as functorch's ``FuncTorchVmapMode`` key).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from collections.abc import Iterator
 
 import torch
 
-from torchlevels._level import enclosing_classes, innermost
+from torchlevels._level import LevelTensor, enclosing_classes, innermost
 from torchlevels.batching.dims import logical_shape, to_front
 from torchlevels.batching.pointwise import pointwise_rule
 
@@ -28,9 +29,21 @@ ERROR = (
 )
 
 
+# Ops that draw random numbers (the nondeterministic_seeded tag also marks ops like
+# scaled_dot_product_attention that are random only with dropout, so it is not used).
+_PACKETS = {
+    getattr(aten, name) for name in (
+        "rand", "randn", "randint", "randperm", "normal", "normal_", "bernoulli", "bernoulli_",
+        "multinomial", "poisson", "uniform_", "random_", "exponential_", "geometric_",
+        "cauchy_", "log_normal_", "native_dropout", "rand_like", "randn_like",
+        "randint_like", "_standard_gamma", "binomial", "_sample_dirichlet",
+    )
+}
+
+
 class _IsRandom(dict):
     def __missing__(self, func) -> bool:
-        found = self[func] = torch.Tag.nondeterministic_seeded in func.tags
+        found = self[func] = func.overloadpacket in _PACKETS
         return found
 
 
@@ -45,11 +58,7 @@ def rule(randomness: str, func, args, dims, kwargs):
     inplace = torch.Tag.inplace in func.tags
     if randomness == "different":
         if inplace and dims[0] is None:
-            raise RuntimeError(
-                f"vmap: Cannot ask for different inplace randomness on an unbatched tensor "
-                f"({func}). This will appear like same randomness. Make the tensor batched "
-                "first, e.g. x = x.expand(batch_size, *x.shape) outside vmap."
-            )
+            _raise_different_inplace(func)
         if func.overloadpacket is aten.multinomial:
             return _multinomial(func, args, dims, kwargs)
         return pointwise_rule(func, args, dims, kwargs)
@@ -76,6 +85,14 @@ def rule(randomness: str, func, args, dims, kwargs):
     )
 
 
+def _raise_different_inplace(func) -> None:
+    raise RuntimeError(
+        f"vmap: Cannot ask for different inplace randomness on an unbatched tensor ({func}). "
+        "This will appear like same randomness. Make the tensor batched first, e.g. "
+        "x = x.expand(batch_size, *x.shape).clone() outside vmap."
+    )
+
+
 def _multinomial(func, args, dims, kwargs):
     probs = to_front(args[0], dims[0])
     flat = probs.reshape(-1, probs.shape[-1])
@@ -83,35 +100,55 @@ def _multinomial(func, args, dims, kwargs):
     return out.reshape(*probs.shape[:-1], out.shape[-1]), 0
 
 
-# -- random factories: torch.randn(3) inside vmap -------------------------------------
+# -- random ops whose tensors are not batched at some level: torch.randn(3) inside vmap --
 
 
-def _factory_kernel(op):
+def _hook_kernel(op):
     def kernel(*args, **kwargs):
         with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(_PRE_DISPATCH)):
-            return _batched_factory(op, args, kwargs)
+            return _random_in_levels(op, args, kwargs)
 
     return kernel
 
 
-def _batched_factory(op, args, kwargs):
+def _random_in_levels(op, args, kwargs):
+    """Apply each live vmap level's randomness to a random op, from the outermost level in.
+
+    Levels whose tensors the op already takes handle it in their own dispatch (see
+    :func:`rule`); here the others raise ("error") or get an expanded input ("different").
+    """
     from torchlevels.vmap import BatchLevel, wrap_batched
 
-    different = []  # classes of the live vmap levels asking for different randomness
-    for cls in enclosing_classes(innermost()):
-        level = cls._level
-        if not isinstance(level, BatchLevel):
-            continue
-        if level.randomness == "error":
+    if op is aten.native_dropout.default and not args[2]:
+        return op(*args, **kwargs)  # dropout in eval mode draws nothing
+    classes = [c for c in enclosing_classes(innermost()) if isinstance(c._level, BatchLevel)]
+    for cls in classes:
+        if cls._level.randomness == "error":
             raise RuntimeError(f"{ERROR} (got {op})")
-        if level.randomness == "different":
-            different.append(cls)
-    if not different:
-        return op(*args, **kwargs)
-    out = _draw(op, args, kwargs, [cls._level.batch_size for cls in reversed(different)])
-    for cls in reversed(different):  # outermost first
-        out = wrap_batched(cls, out, 0)
-    return out
+    different = [c for c in reversed(classes) if c._level.randomness == "different"]
+    tensors = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+    if not tensors:  # a factory: draw with one leading dim per level, then wrap
+        out = _draw(op, args, kwargs, [cls._level.batch_size for cls in different])
+        for cls in different:  # outermost first
+            out = wrap_batched(cls, out, 0)
+        return out
+    args = list(args)
+    for cls in different:
+        first = tensors[0]
+        if not _batched_at(args[first], cls):
+            if torch.Tag.inplace in op.tags:
+                _raise_different_inplace(op)
+            size = cls._level.batch_size
+            args[first] = wrap_batched(cls, args[first].expand(size, *args[first].shape), 0)
+    return op(*args, **kwargs)
+
+
+def _batched_at(t: torch.Tensor, cls) -> bool:
+    while isinstance(t, LevelTensor):
+        if type(t) is cls:
+            return True
+        t = t._inner
+    return False
 
 
 def _draw(op, args, kwargs, sizes):
@@ -131,19 +168,17 @@ def _draw(op, args, kwargs, sizes):
     return draws.reshape(*sizes, *draws.shape[1:])
 
 
-_library = torch.library.Library("aten", "IMPL")  # noqa: TID251 (kept alive for the process)
-for _packet in (aten.rand, aten.randn, aten.randint, aten.randperm, aten.normal):
+_library = torch.library.Library("aten", "IMPL")  # kept alive for the process
+for _packet in _PACKETS:
     for _name in _packet.overloads():
         _op = getattr(_packet, _name)
-        schema = _op._schema
-        if schema.is_mutable or any(isinstance(a.type, torch.TensorType) for a in schema.arguments):
-            continue
-        _library.impl(_op, _factory_kernel(_op), "PreDispatch")
+        if "out" not in _name:
+            _library.impl(_op, _hook_kernel(_op), "PreDispatch")
 
 
 @contextlib.contextmanager
 def hook(level) -> Iterator[None]:
-    """While a vmap level is live, route random factories through :func:`_batched_factory`."""
+    """While a vmap level is live, route random ops through :func:`_random_in_levels`."""
     if level.randomness == "same":
         yield
         return

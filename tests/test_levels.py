@@ -1,0 +1,200 @@
+"""The level machinery: classes per invocation, subclass-first order, escapes, threads, memory."""
+
+import contextvars
+import gc
+import threading
+import tracemalloc
+
+import pytest
+import torch
+from torch.func import vmap as func_vmap
+from torch.utils._pytree import tree_map
+
+from torchlevels import EscapedTensorError, LevelTensor, UnrelatedLevelsError, vmap
+
+
+def test_seed_imperative_example_shapes_and_subclassing():
+    xs, ys = torch.randn(10, 2), torch.randn(15, 2)
+    with vmap() as B0, vmap() as B1:
+        x = B0(xs)
+        y = B1(ys)
+        z = x + y
+        assert issubclass(B1, B0) and B1 is not B0
+        assert type(x) is B0 and type(y) is B1 and type(z) is B1
+        out = B0.unwrap(B1.unwrap(z))
+    assert out.shape == (10, 15, 2)
+    torch.testing.assert_close(out, xs[:, None, :] + ys[None, :, :])
+
+
+def test_each_invocation_gets_a_fresh_class():
+    seen = []
+    vmap(lambda x: seen.append(type(x)) or x)(torch.randn(3))
+    vmap(lambda x: seen.append(type(x)) or x)(torch.randn(3))
+    assert seen[0] is not seen[1]
+    assert not issubclass(seen[0], seen[1]) and not issubclass(seen[1], seen[0])
+
+
+def test_nested_vmap_classes_form_a_chain():
+    classes = []
+
+    def inner(x):
+        classes.append(type(x))
+        return x * 2
+
+    vmap(lambda x: vmap(inner)(x))(torch.randn(2, 3))
+    inner_cls = classes[0]
+    assert issubclass(inner_cls, LevelTensor)
+    assert issubclass(inner_cls.__base__, LevelTensor) and inner_cls.__base__ is not LevelTensor
+
+
+def test_unwrap_out_dim_and_dim_argument():
+    xs = torch.randn(4, 5, 6)
+    with vmap() as B:
+        x = B(xs, 1)
+        assert x.shape == (4, 6)
+        out = B.unwrap(x * 2, out_dim=2)
+    torch.testing.assert_close(out, (xs * 2).movedim(1, 2))
+
+
+def test_seed_escape_example_errors():
+    box = []
+
+    def write(x):
+        box.append(x)
+        return x
+
+    def read(y):
+        return box[0] + y
+
+    vmap(write)(torch.randn(10, 2))
+    with pytest.raises(EscapedTensorError, match="escaped") as info:
+        vmap(read)(torch.randn(20, 10, 2))
+    assert "vmap" in str(info.value) and "test_levels.py" in str(info.value)
+
+
+def test_escaped_tensor_used_outside_any_level_errors():
+    box = []
+    vmap(lambda x: box.append(x) or x)(torch.randn(3, 2))
+    with pytest.raises(EscapedTensorError, match="aten.mul.Tensor"):
+        box[0] * 2
+    assert "escaped" in repr(box[0])
+
+
+def test_escape_from_inner_level_into_outer_errors():
+    box = []
+
+    def f(x):
+        vmap(lambda y: box.append(y) or y)(x.unsqueeze(0).expand(3, *x.shape))
+        return x + box[0]
+
+    with pytest.raises(EscapedTensorError):
+        vmap(f)(torch.randn(4, 2))
+
+
+def test_unrelated_live_levels_error():
+    outside = contextvars.copy_context()  # a context in which A is not live
+    xs, ys = torch.randn(3, 2), torch.randn(4, 2)
+    with vmap() as A:
+        a = A(xs)
+        other = vmap()
+        B = outside.run(other.__enter__)
+        assert not issubclass(B, A) and not issubclass(A, B)
+        b = B(ys)
+        with pytest.raises(UnrelatedLevelsError, match="unrelated"):
+            a + b
+        outside.run(other.__exit__, None, None, None)
+
+
+class LoggingTensor(torch.Tensor):
+    """A user's wrapper subclass that logs every op, unaware of torchlevels."""
+
+    log: list = []
+
+    @staticmethod
+    def __new__(cls, elem):
+        out = torch.Tensor._make_wrapper_subclass(cls, elem.shape, dtype=elem.dtype)
+        out.elem = elem
+        return out
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        cls.log.append((str(func), [tuple(a.shape) for a in args if isinstance(a, torch.Tensor)]))
+        unwrap = lambda t: t.elem if isinstance(t, LoggingTensor) else t
+        wrap = lambda t: LoggingTensor(t) if isinstance(t, torch.Tensor) else t
+        return tree_map(wrap, func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {})))
+
+
+def test_foreign_subclass_inside_a_level_sees_physical_ops():
+    LoggingTensor.log.clear()
+    xs = torch.randn(5, 3)
+    out = vmap(lambda x: (x * 2).sum())(LoggingTensor(xs))
+    assert isinstance(out, LoggingTensor)
+    torch.testing.assert_close(out.elem, (xs * 2).sum(1))
+    assert ("aten.mul.Tensor", [(5, 3)]) in LoggingTensor.log
+
+
+def test_foreign_subclass_wrapping_a_batched_tensor():
+    LoggingTensor.log.clear()
+    xs = torch.randn(5, 3)
+
+    def f(x):
+        logged = LoggingTensor(x)  # foreign wrapper around our batched tensor
+        return (logged.exp() + 1).elem
+
+    torch.testing.assert_close(vmap(f)(xs), xs.exp() + 1)
+    assert ("aten.exp.default", [(3,)]) in LoggingTensor.log  # logged at logical shape
+
+
+def test_foreign_subclass_mixed_with_batched_returns_not_implemented_first():
+    xs, w = torch.randn(5, 3), torch.randn(3)
+
+    def f(x):
+        return (x + LoggingTensor(w)).elem
+
+    torch.testing.assert_close(vmap(f)(xs), xs + w)
+
+
+def test_memory_flat_over_10000_calls():
+    f = vmap(lambda x: (x * 2 + 1).sum())
+    x = torch.randn(4, 3)
+    for _ in range(200):
+        f(x)
+    gc.collect()
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    for _ in range(10_000):
+        f(x)
+    gc.collect()
+    after = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    assert after - before < 256 * 1024, f"memory grew by {after - before} bytes"
+    assert len(LevelTensor.__subclasses__()) == 0  # no level class kept alive
+
+
+def test_threads_run_vmap_concurrently():
+    barrier = threading.Barrier(2)
+    results, errors = {}, []
+
+    def work(name, xs, ys):
+        try:
+            with vmap() as B0:
+                x = B0(xs)
+                barrier.wait(timeout=10)  # both threads now have a live level
+                with vmap() as B1:
+                    out = B0.unwrap(B1.unwrap(x * B1(ys)))
+            results[name] = (out, func_vmap(func_vmap(torch.mul, (None, 0)), (0, None))(xs, ys))
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [
+        threading.Thread(target=work, args=("a", torch.randn(3, 2), torch.randn(4, 2))),
+        threading.Thread(target=work, args=("b", torch.randn(5, 2), torch.randn(6, 2))),
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for out, expected in results.values():
+        torch.testing.assert_close(out, expected)
+    assert set(results) == {"a", "b"}

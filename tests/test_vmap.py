@@ -1,0 +1,243 @@
+"""vmap's public semantics, each compared with torch.func.vmap on the same inputs."""
+
+import functools
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.func import vmap as func_vmap
+
+from torchlevels import vmap
+
+assert_close = torch.testing.assert_close
+
+
+def same(f, *args, **kw):
+    """Run f under torchlevels.vmap and torch.func.vmap with the same options; compare."""
+    ours = vmap(f, **kw)(*args)
+    theirs = func_vmap(f, **kw)(*args)
+    assert_close(ours, theirs, equal_nan=True)
+    return ours
+
+
+def same_error(f, *args, match=None, **kw):
+    """Both implementations raise the same exception type (our message matches `match`)."""
+    with pytest.raises(Exception) as theirs:
+        func_vmap(f, **kw)(*args)
+    with pytest.raises(theirs.type, match=match):
+        vmap(f, **kw)(*args)
+
+
+def test_pytrees_in_and_out():
+    def f(d, pair):
+        a, b = pair
+        return {"sum": d["x"] + a, "prod": (d["y"] * b, b.sum())}
+
+    d = {"x": torch.randn(4, 3), "y": torch.randn(4, 3)}
+    pair = (torch.randn(4, 3), torch.randn(4, 3))
+    same(f, d, pair)
+    same(f, {"x": d["x"], "y": torch.randn(3, 4)}, pair, in_dims=({"x": 0, "y": 1}, (None, 0)))
+    same(f, d, pair, out_dims={"sum": 1, "prod": (0, 0)})
+
+
+def test_in_dims_none_and_negative():
+    x, w = torch.randn(3, 5), torch.randn(5)
+    same(torch.mul, x, w, in_dims=(0, None))
+    same(torch.mul, x.T.contiguous(), w, in_dims=(-1, None))
+    same(lambda a, b: a @ b, torch.randn(2, 3, 4), torch.randn(4, 2), in_dims=(0, 1))
+
+
+def test_kwargs_are_not_batched():
+    def f(x, *, scale):
+        return x * scale
+
+    x, s = torch.randn(4, 3), torch.randn(3)
+    assert_close(vmap(f)(x, scale=s), func_vmap(f)(x, scale=s))
+
+
+def test_out_dims_and_unbatched_outputs():
+    x = torch.randn(4, 3)
+    same(lambda x: x * 2, x, out_dims=1)
+    same(lambda x: torch.ones(2), x)  # unbatched output expands to the batch
+    same(lambda x: (x, torch.ones(2)), x, out_dims=(0, None))
+
+
+def test_batch_size_mismatch():
+    same_error(torch.add, torch.randn(3), torch.randn(4), match=r"sizes \[3, 4\]")
+
+
+def test_bad_in_dims():
+    same_error(torch.sin, torch.randn(3), in_dims=2, match="in_dim=2")
+    same_error(torch.sin, torch.randn(3), in_dims=(0, 0), match="not compatible")
+    same_error(torch.sin, torch.randn(3), in_dims=(None,), match="at least one Tensor")
+    same_error(lambda x, n: x * n, torch.randn(3), 2, in_dims=(0, 0), match="non-Tensor")
+    same_error(torch.sin, torch.randn(3), in_dims=[0], match="expected `in_dims`")
+    same_error(lambda: torch.ones(1), match="got no inputs")
+
+
+def test_non_tensor_output_errors():
+    same_error(lambda x: 3, torch.randn(3), match="must only return Tensors")
+    same_error(lambda x: x, torch.randn(3), out_dims=None, match="out_dim is None")
+
+
+def test_bad_randomness_and_chunk_size():
+    same_error(torch.sin, torch.randn(3), randomness="bogus", match="randomness")
+    with pytest.raises(ValueError, match="chunk_size"):
+        vmap(torch.sin, chunk_size=0)
+
+
+def test_nested_vmap_depth_three():
+    x = torch.randn(2, 3, 4, 5)
+    f = lambda v: (v.sin() * v.sum()).softmax(0)
+    assert_close(vmap(vmap(vmap(f)))(x), func_vmap(func_vmap(func_vmap(f)))(x))
+    g = lambda a, b: torch.outer(a, b).sum(0)
+    a, b = torch.randn(2, 3, 4), torch.randn(3, 2, 4)
+    assert_close(vmap(vmap(g, (0, 0)), (0, 1))(a, b), func_vmap(func_vmap(g, (0, 0)), (0, 1))(a, b))
+
+
+def test_factory_functions_inside():
+    x = torch.randn(4, 3)
+    same(lambda x: x + torch.arange(3.0), x)
+    same(lambda x: torch.zeros_like(x) + torch.ones(3), x)
+    same(lambda x: x.new_zeros(2) + x.sum(), x)
+    same(lambda x: torch.full_like(x, 7.0) * x, x)
+
+
+def test_inplace_on_batched():
+    def f(x, y):
+        x = x.clone()
+        x.add_(y)
+        x.mul_(2)
+        x[0] = 5.0  # index_put_/copy_ into a batched tensor
+        return x
+
+    same(f, torch.randn(4, 3), torch.randn(4, 3))
+    same(f, torch.randn(4, 3), torch.randn(3), in_dims=(0, None))
+
+
+def test_inplace_into_unbatched_with_batched_values_errors():
+    def f(x):
+        buf = torch.zeros(3)
+        buf.add_(x)
+        return buf
+
+    same_error(f, torch.randn(4, 3), match="out-of-place")
+
+
+def test_data_dependent_control_flow_errors():
+    def branch(x):
+        return x if x.sum() > 0 else -x
+
+    with pytest.raises(RuntimeError, match="data-dependent"):
+        vmap(branch)(torch.randn(3, 2))
+    with pytest.raises(RuntimeError, match="item"):
+        vmap(lambda x: x * x.sum().item())(torch.randn(3, 2))
+
+
+def test_type_promotion_with_batched_scalars():
+    x = torch.randn(4, dtype=torch.float64)
+    w = torch.randn(3)  # float32 vector + float64 "scalar" stays float32
+    out = same(lambda s: s * w, x)
+    assert out.dtype == torch.float32
+    out = same(lambda s: s * torch.tensor(2.0, dtype=torch.float64), torch.randn(4))
+    assert out.dtype == torch.float64  # two 0-dim tensors promote as usual
+
+
+def test_chunk_size_matches_unchunked():
+    x = torch.randn(10, 3)
+    f = lambda x: (x @ x.T if x.dim() > 1 else x.outer(x)).sum(0)
+    assert_close(vmap(f, chunk_size=3)(x), func_vmap(f)(x))
+    assert_close(vmap(f, chunk_size=3, out_dims=1)(x), func_vmap(f, out_dims=1)(x))
+
+
+class TestRandomness:
+    x = torch.randn(4, 3)
+
+    @pytest.mark.parametrize(
+        "f",
+        [
+            lambda x: torch.randn(3) + x,
+            lambda x: torch.rand_like(x),
+            lambda x: F.dropout(x, 0.5, training=True),
+            lambda x: x.clone().normal_(),
+        ],
+        ids=["randn", "rand_like", "dropout", "normal_"],
+    )
+    def test_error_mode(self, f):
+        same_error(f, self.x, match="randomness")
+
+    def test_different_draws_per_example(self):
+        out = vmap(lambda x: torch.randn(3) + x * 0, randomness="different")(self.x)
+        assert out.shape == (4, 3) and not torch.allclose(out[0], out[1])
+        out = vmap(lambda x: torch.rand_like(x), randomness="different")(self.x)
+        assert not torch.allclose(out[0], out[1])
+        out = vmap(lambda x: x.clone().normal_(), randomness="different")(self.x)
+        assert not torch.allclose(out[0], out[1])
+
+    def test_same_shares_one_draw(self):
+        for f in (lambda x: torch.randn(3) + x * 0, torch.rand_like, lambda x: x.clone().normal_()):
+            out = vmap(f, randomness="same")(self.x)
+            assert out.shape == (4, 3)
+            assert torch.equal(out[0], out[1]) and torch.equal(out[0], out[3])
+
+    def test_same_matches_torch_func_given_the_same_seed(self):
+        f = lambda x: torch.randn(3) + x
+        torch.manual_seed(0)
+        ours = vmap(f, randomness="same")(self.x)
+        torch.manual_seed(0)
+        assert_close(ours, func_vmap(f, randomness="same")(self.x))
+
+    def test_dropout_modes(self):
+        x = torch.ones(6, 50)
+        out = vmap(lambda x: F.dropout(x, 0.5), randomness="different")(x)
+        assert not torch.equal(out[0], out[1])
+        assert set(out.unique().tolist()) <= {0.0, 2.0}
+        out = vmap(lambda x: F.dropout(x, 0.5), randomness="same")(x)
+        assert torch.equal(out[0], out[5])
+
+    def test_nested_different(self):
+        out = vmap(vmap(lambda x: torch.rand(2) + x * 0, randomness="different"),
+                   randomness="different")(torch.zeros(3, 4))
+        assert out.shape == (3, 4, 2) and out.unique().numel() == 24
+
+    def test_different_inplace_on_unbatched_errors(self):
+        same_error(lambda x: torch.zeros(3).normal_() + x, self.x, randomness="different")
+
+    def test_random_op_on_unbatched_input(self):
+        p = torch.full((3,), 0.5)
+        same_error(lambda x: torch.bernoulli(p) + x, self.x, match="randomness")
+        p30 = torch.full((30,), 0.5)
+        out = vmap(lambda x: torch.bernoulli(p30) + x * 0, randomness="different")(
+            torch.zeros(4, 30))
+        assert not torch.equal(out[0], out[1])
+
+    def test_eval_dropout_is_not_random(self):
+        same(lambda x: F.dropout(x, 0.5, training=False), self.x)
+
+
+def test_autograd_flows_through_vmap_to_parameters():
+    lin = torch.nn.Linear(3, 2)
+    x = torch.randn(5, 3, requires_grad=True)
+    vmap(lin)(x).pow(2).sum().backward()
+    ours = (lin.weight.grad.clone(), x.grad.clone())
+    lin.weight.grad = None
+    x.grad = None
+    func_vmap(lin)(x).pow(2).sum().backward()
+    assert_close(ours, (lin.weight.grad, x.grad))
+
+
+def test_partial_and_module_names_in_errors():
+    f = functools.partial(torch.add, alpha=2)
+    with pytest.raises(ValueError, match="functools.partial"):
+        vmap(f, in_dims=(0, 5))(torch.randn(3), torch.randn(3))
+
+
+def test_common_ops_do_not_use_the_slow_loop():
+    def f(x, w):
+        h = F.relu(x @ w).softmax(-1)
+        return h.transpose(0, 1).reshape(-1).cumsum(0)[:3].sum() + h.mean()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        same(f, torch.randn(4, 3, 5), torch.randn(5, 6), in_dims=(0, None))

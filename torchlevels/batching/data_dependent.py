@@ -1,0 +1,23 @@
+"""Ops whose result is a Python value read from a tensor: under vmap they cannot be batched.
+
+``.item()``, ``bool(t)``, ``t.tolist()`` and friends all arrive as
+``aten._local_scalar_dense``; Python control flow on such a value would differ per example.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from torchlevels.batching.registry import register
+
+aten = torch.ops.aten
+
+
+@register(aten._local_scalar_dense, aten.item, aten.is_nonzero, aten.equal)
+def data_dependent(func, args, dims, kwargs):
+    raise RuntimeError(
+        f"vmap: {func} reads a Python value out of a batched tensor (e.g. `.item()`, "
+        "`bool(t)` in an `if`, `.tolist()`, `torch.equal`). Each example would give a "
+        "different value, so data-dependent Python control flow cannot be vmapped. Rewrite "
+        "it with tensor ops such as torch.where(cond, a, b), or move it out of vmap."
+    )
