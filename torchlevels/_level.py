@@ -11,7 +11,8 @@ only state is the ``_innermost`` context variable, read when a new level class i
 from __future__ import annotations
 
 import contextvars
-import traceback
+import os
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -60,12 +61,20 @@ class Level:
 
 
 def _user_frame() -> str:
-    """The first stack frame outside torchlevels and torch: where the user made a level."""
-    for frame in reversed(traceback.extract_stack(limit=12)[:-1]):
-        name = frame.filename.replace("\\", "/")
-        if not any(part in name for part in ("/torchlevels/", "/torch/", "/contextlib.py")):
-            return f"{frame.filename}:{frame.lineno}"
+    """The innermost stack frame outside torchlevels, torch and contextlib: the user's."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if not (name.startswith(_INTERNAL) or name.endswith("contextlib.py")):
+            return f"{name}:{frame.f_lineno}"
+        frame = frame.f_back
     return "<unknown>"
+
+
+_INTERNAL = (os.path.dirname(torch.__file__), *(
+    os.path.join(os.path.dirname(__file__), name)
+    for name in os.listdir(os.path.dirname(__file__)) if name != "demo.py"
+))
 
 
 class LevelTensor(torch.Tensor):

@@ -144,13 +144,27 @@ def wrap_outputs(cls, func, args, out, out_dims):
         return out
     if isinstance(out_dims, int):
         if _is_inplace(func) and type(args[0]) is cls:
-            return args[0]
+            self = args[0]
+            if out is not self._inner:  # e.g. squeeze_: the wrapper takes the new view
+                _rewrap_inplace(self, out, out_dims)
+            return self
         return wrap_batched(cls, out, out_dims)
     return type(out)(
         o if d is None else (args[i] if _is_inplace_output(func, i, args, cls)
                              else wrap_batched(cls, o, d))
         for i, (o, d) in enumerate(zip(out, out_dims))
     )
+
+
+def _rewrap_inplace(self: torch.Tensor, inner: torch.Tensor, bdim: int) -> None:
+    """Point the batched ``self`` at ``inner``, updating its logical shape in place."""
+    self._inner = inner
+    self._bdim = bdim
+    shape, strides = inner.shape, inner.stride()
+    with torch._C._DisableTorchDispatch():
+        torch.ops.aten.as_strided_.default(
+            self, shape[:bdim] + shape[bdim + 1 :], strides[:bdim] + strides[bdim + 1 :]
+        )
 
 
 @functools.cache

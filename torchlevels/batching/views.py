@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from torchlevels.batching.dims import logical_shape, materialize, pad_to_rank, to_front, wrap_dim
+from torchlevels.batching.reductions import dim_rule
 from torchlevels.batching.registry import batch_size, register
 
 aten = torch.ops.aten
@@ -135,10 +136,25 @@ def roll(func, args, dims, kwargs):
     return x.roll(shifts, [wrap_dim(i, x.dim() - 1) + 1 for i in d]), 0
 
 
-@register(aten.squeeze_, aten.unsqueeze_, aten.transpose_, aten.t_, aten.as_strided_,
-          aten.resize_, aten.swapdims_, aten.swapaxes_)
-def inplace_view(func, args, dims, kwargs):
+# In-place view ops: the physical result of the out-of-place op becomes the wrapper's
+# new inner tensor (the vmap level updates the wrapper's logical shape).
+register(aten.squeeze_.default)(squeeze)
+register(aten.unsqueeze_.default)(unsqueeze)
+
+
+@register(aten.squeeze_.dim, aten.squeeze_.dims)
+def squeeze_dims_(func, args, dims, kwargs):
+    x, d = args
+    return dim_rule(aten.squeeze.dims, (x, [d] if isinstance(d, int) else d), dims, kwargs)
+
+
+register(aten.transpose_.default)(transpose)
+register(aten.t_.default)(t)
+
+
+@register(aten.as_strided_, aten.resize_)
+def inplace_restride(func, args, dims, kwargs):
     raise RuntimeError(
-        f"vmap: {func} changes the shape of a batched tensor in place, which is not "
-        f"supported. Use the out-of-place op instead (e.g. x = x.unsqueeze(0))."
+        f"vmap: {func} sets the sizes and strides of a batched tensor in place, which cannot "
+        "be batched. Use an out-of-place op (reshape, view, expand) instead."
     )
