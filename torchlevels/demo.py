@@ -27,7 +27,8 @@ def main() -> None:
     print("1. vmap is a drop-in for torch.func.vmap")
     x, y = torch.randn(5, 3), torch.randn(5, 3)
     ours, theirs = vmap(torch.dot)(x, y), func_vmap(torch.dot)(x, y)
-    print(f"   vmap(torch.dot)(x, y) = {ours}\n   equal to torch.func: {torch.allclose(ours, theirs)}")
+    print(f"   vmap(torch.dot)(x, y) = {ours}")
+    print(f"   equal to torch.func: {torch.allclose(ours, theirs)}")
 
     print("2. an MLP over a batch of single examples (weights unbatched)")
     w1, w2 = torch.randn(784, 256) / 28, torch.randn(256, 10) / 16

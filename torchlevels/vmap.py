@@ -20,7 +20,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from torchlevels import batching  # noqa: F401  (registers the rules)
 from torchlevels._level import Level, LevelTensor, entered, new_level_class
 from torchlevels.batching import random as batched_random
-from torchlevels.batching.registry import How, resolve
+from torchlevels.batching.registry import How, resolve, resolved_by_id
 
 _make_wrapper_subclass = torch.Tensor._make_wrapper_subclass
 _restore_tls = torch._C._RestorePythonTLSSnapshot
@@ -82,26 +82,37 @@ class BatchLevel(Level):
 
     # -- the hot path: one op -----------------------------------------------------------
     def dispatch(self, cls, func, args, kwargs):
-        if batched_random.RANDOM_OPS[func]:
-            phys, dims, grad = unwrap_args(cls, args)
-            out, out_dims = batched_random.rule(self.randomness, func, phys, dims, kwargs)
-            return wrap_outputs(cls, func, args, out, out_dims)
-        resolved = resolve(func)
-        if resolved.how is How.DECOMPOSITION:
-            return resolved.fn(*args, **kwargs)
+        rule = resolved_by_id.get(id(func)) or resolve(func)
+        if rule.how is How.DECOMPOSITION:
+            return rule.fn(*args, **kwargs)
         phys, dims, grad = unwrap_args(cls, args)
         if kwargs and any(type(v) is cls for v in kwargs.values()):
             raise NotImplementedError(
                 f"vmap: {func} got a batched tensor as a keyword-only argument, which no "
                 "batching rule handles. Pass it positionally or write a rule for the op."
             )
-        if grad and torch.is_grad_enabled():
+        if rule.takes_level:
+            out, out_dims = rule.fn(self, func, phys, dims, kwargs)
+        elif grad and torch.is_grad_enabled():
             # Record autograd on the inner tensors, so autograd outside vmap sees the graph.
             with _restore_tls():
-                out, out_dims = resolved.fn(func, phys, dims, kwargs)
+                out, out_dims = rule.fn(func, phys, dims, kwargs)
         else:
-            out, out_dims = resolved.fn(func, phys, dims, kwargs)
-        return wrap_outputs(cls, func, args, out, out_dims)
+            out, out_dims = rule.fn(func, phys, dims, kwargs)
+        if type(out_dims) is int:
+            if rule.inplace and type(args[0]) is cls:
+                self_ = args[0]
+                if out is not self_._inner:  # e.g. squeeze_: the wrapper takes the new view
+                    _rewrap_inplace(self_, out, out_dims)
+                return self_
+            return wrap_batched(cls, out, out_dims)
+        if out_dims is None:
+            return out
+        return type(out)(
+            o if d is None else (args[i] if _is_inplace_output(func, i, args, cls)
+                                 else wrap_batched(cls, o, d))
+            for i, (o, d) in enumerate(zip(out, out_dims))
+        )
 
 
 def wrap_batched(cls, inner: torch.Tensor, bdim: int) -> torch.Tensor:
@@ -139,23 +150,6 @@ def unwrap_args(cls, args: tuple) -> tuple[list, list, bool]:
     return phys, dims, grad
 
 
-def wrap_outputs(cls, func, args, out, out_dims):
-    if out_dims is None:
-        return out
-    if isinstance(out_dims, int):
-        if _is_inplace(func) and type(args[0]) is cls:
-            self = args[0]
-            if out is not self._inner:  # e.g. squeeze_: the wrapper takes the new view
-                _rewrap_inplace(self, out, out_dims)
-            return self
-        return wrap_batched(cls, out, out_dims)
-    return type(out)(
-        o if d is None else (args[i] if _is_inplace_output(func, i, args, cls)
-                             else wrap_batched(cls, o, d))
-        for i, (o, d) in enumerate(zip(out, out_dims))
-    )
-
-
 def _rewrap_inplace(self: torch.Tensor, inner: torch.Tensor, bdim: int) -> None:
     """Point the batched ``self`` at ``inner``, updating its logical shape in place."""
     self._inner = inner
@@ -167,16 +161,8 @@ def _rewrap_inplace(self: torch.Tensor, inner: torch.Tensor, bdim: int) -> None:
         )
 
 
-@functools.cache
-def _is_inplace(func) -> bool:
-    """Whether ``func`` writes its first argument and returns it (``add_``, ``copy_``...)."""
-    schema = func._schema
-    first = schema.arguments[0].alias_info if schema.arguments else None
-    ret = schema.returns[0].alias_info if schema.returns else None
-    return bool(first and first.is_write and ret and ret.is_write)
-
-
 def _is_inplace_output(func, i, args, cls) -> bool:
+    """Whether output ``i`` of ``func`` is a batched argument it wrote (to return as is)."""
     schema = func._schema
     ret = schema.returns[i].alias_info
     if not (ret and ret.is_write):

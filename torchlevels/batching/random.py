@@ -18,6 +18,7 @@ import torch
 from torchlevels._level import LevelTensor, enclosing_classes, innermost
 from torchlevels.batching.dims import logical_shape, to_front
 from torchlevels.batching.pointwise import pointwise_rule
+from torchlevels.batching.registry import register
 
 aten = torch.ops.aten
 _PRE_DISPATCH = torch._C.DispatchKey.PreDispatch
@@ -41,18 +42,12 @@ _PACKETS = {
 }
 
 
-class _IsRandom(dict):
-    def __missing__(self, func) -> bool:
-        found = self[func] = func.overloadpacket in _PACKETS
-        return found
-
-
-RANDOM_OPS = _IsRandom()  # RANDOM_OPS[func]: whether func draws random numbers
 _LIKE = {aten.rand_like, aten.randn_like, aten.randint_like}
 
 
-def rule(randomness: str, func, args, dims, kwargs):
+def rule(level, func, args, dims, kwargs):
     """The batching rule of every random op that takes a batched tensor."""
+    randomness = level.randomness
     if randomness == "error":
         raise RuntimeError(f"{ERROR} (got {func})")
     inplace = torch.Tag.inplace in func.tags
@@ -98,6 +93,9 @@ def _multinomial(func, args, dims, kwargs):
     flat = probs.reshape(-1, probs.shape[-1])
     out = func(flat, *args[1:], **kwargs)
     return out.reshape(*probs.shape[:-1], out.shape[-1]), 0
+
+
+register(*_PACKETS, takes_level=True)(rule)
 
 
 # -- random ops whose tensors are not batched at some level: torch.randn(3) inside vmap --

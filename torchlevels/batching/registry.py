@@ -40,17 +40,25 @@ class Resolved:
     how: How
     fn: Callable
     family: str = ""
+    takes_level: bool = False  # fn(level, func, args, dims, kwargs): needs the level's state
+    inplace: bool = False  # func writes its first argument and returns it (add_, copy_...)
 
 
-_own: dict[OpOverload | OpOverloadPacket, Rule] = {}
+_own: dict[OpOverload | OpOverloadPacket, tuple[Rule, bool]] = {}
 _families: list[tuple[str, Callable[[OpOverload], bool], Rule]] = []
-_resolved: dict[OpOverload, Resolved] = {}
+# Keyed by id(func): OpOverloads are interned for the process, and hashing them runs Python.
+resolved_by_id: dict[int, Resolved] = {}
 # Ops whose decomposition is known to loop back to the op itself or to be wrong here.
 _no_decomposition: set[OpOverload] = set()
 
 
-def register(*ops: OpOverload | OpOverloadPacket) -> Callable[[Rule], Rule]:
+def register(
+    *ops: OpOverload | OpOverloadPacket, takes_level: bool = False
+) -> Callable[[Rule], Rule]:
     """Register ``rule`` as the own batching rule of ``ops`` (overloads or packets).
+
+    With ``takes_level=True`` the rule is called as ``rule(level, func, args, dims, kwargs)``
+    (for rules that depend on the level's state, such as its randomness).
 
     Example::
 
@@ -62,8 +70,8 @@ def register(*ops: OpOverload | OpOverloadPacket) -> Callable[[Rule], Rule]:
 
     def deco(rule: Rule) -> Rule:
         for op in ops:
-            _own[op] = rule
-        _resolved.clear()
+            _own[op] = (rule, takes_level)
+        resolved_by_id.clear()
         return rule
 
     return deco
@@ -72,34 +80,42 @@ def register(*ops: OpOverload | OpOverloadPacket) -> Callable[[Rule], Rule]:
 def register_family(name: str, applies: Callable[[OpOverload], bool], rule: Rule) -> None:
     """Register a rule for every op for which ``applies(op)`` holds (first match wins)."""
     _families.append((name, applies, rule))
-    _resolved.clear()
+    resolved_by_id.clear()
 
 
 def skip_decomposition(*ops: OpOverload) -> None:
     """Never batch ``ops`` through their ``torch._decomp`` decomposition."""
     _no_decomposition.update(ops)
-    _resolved.clear()
+    resolved_by_id.clear()
 
 
 def resolve(func: OpOverload) -> Resolved:
     """How ``func`` is batched: its own rule, a family rule, a decomposition or the loop."""
-    found = _resolved.get(func)
+    found = resolved_by_id.get(id(func))
     if found is None:
-        found = _resolved[func] = _resolve(func)
+        found = resolved_by_id[id(func)] = _resolve(func)
     return found
 
 
 def _resolve(func: OpOverload) -> Resolved:
-    rule = _own.get(func) or _own.get(func.overloadpacket)
-    if rule is not None:
-        return Resolved(How.OWN, rule)
+    inplace = _is_inplace(func)
+    own = _own.get(func) or _own.get(func.overloadpacket)
+    if own is not None:
+        return Resolved(How.OWN, own[0], takes_level=own[1], inplace=inplace)
     for name, applies, rule in _families:
         if applies(func):
-            return Resolved(How.FAMILY, rule, name)
+            return Resolved(How.FAMILY, rule, name, inplace=inplace)
     decomposition = _decomposition(func)
     if decomposition is not None:
         return Resolved(How.DECOMPOSITION, decomposition)
-    return Resolved(How.LOOP, loop_rule)
+    return Resolved(How.LOOP, loop_rule, inplace=inplace)
+
+
+def _is_inplace(func: OpOverload) -> bool:
+    schema = func._schema
+    first = schema.arguments[0].alias_info if schema.arguments else None
+    ret = schema.returns[0].alias_info if schema.returns else None
+    return bool(first and first.is_write and ret and ret.is_write)
 
 
 def _decomposition(func: OpOverload) -> Callable | None:
