@@ -83,6 +83,10 @@ class BatchLevel(Level):
     # -- the hot path: one op -----------------------------------------------------------
     def dispatch(self, cls, func, args, kwargs):
         rule = resolved_by_id.get(id(func)) or resolve(func)
+        if rule.family == "pointwise" and not rule.inplace:
+            out = _pointwise_fast_path(cls, func, args, kwargs)
+            if out is not None:
+                return out
         if rule.how is How.DECOMPOSITION:
             return rule.fn(*args, **kwargs)
         phys, dims, grad = unwrap_args(cls, args)
@@ -100,12 +104,15 @@ class BatchLevel(Level):
         else:
             out, out_dims = rule.fn(func, phys, dims, kwargs)
         if type(out_dims) is int:
-            if rule.inplace and type(args[0]) is cls:
+            if type(out) is not torch.Tensor and isinstance(out, (tuple, list)):
+                out_dims = (out_dims,) * len(out)  # one batch dim for every output
+            elif rule.inplace and type(args[0]) is cls:
                 self_ = args[0]
                 if out is not self_._inner:  # e.g. squeeze_: the wrapper takes the new view
                     _rewrap_inplace(self_, out, out_dims)
                 return self_
-            return wrap_batched(cls, out, out_dims)
+            else:
+                return wrap_batched(cls, out, out_dims)
         if out_dims is None:
             return out
         return type(out)(
@@ -113,6 +120,35 @@ class BatchLevel(Level):
                                  else wrap_batched(cls, o, d))
             for i, (o, d) in enumerate(zip(out, out_dims))
         )
+
+
+def _pointwise_fast_path(cls, func, args, kwargs):
+    """The common pointwise case in one pass: all tensors ours, batch dim 0, equal rank."""
+    phys = []
+    rank = -1
+    for a in args:
+        if type(a) is cls:
+            inner = a._inner
+            if a._bdim or inner.requires_grad or (rank != inner.dim() and rank != -1):
+                return None
+            rank = inner.dim()
+            phys.append(inner)
+        elif isinstance(a, torch.Tensor):
+            return None
+        else:
+            phys.append(a)
+    if rank == -1:  # our tensor was in kwargs: not this path
+        return None
+    out = func(*phys, **kwargs)
+    if not isinstance(out, torch.Tensor):
+        return tuple(wrap_batched(cls, o, 0) for o in out)
+    shape = out.shape
+    wrapped = _make_wrapper_subclass(
+        cls, shape[1:], strides=out.stride()[1:], dtype=out.dtype, device=out.device
+    )
+    wrapped._inner = out
+    wrapped._bdim = 0
+    return wrapped
 
 
 def wrap_batched(cls, inner: torch.Tensor, bdim: int) -> torch.Tensor:
@@ -163,11 +199,11 @@ def _rewrap_inplace(self: torch.Tensor, inner: torch.Tensor, bdim: int) -> None:
 
 def _is_inplace_output(func, i, args, cls) -> bool:
     """Whether output ``i`` of ``func`` is a batched argument it wrote (to return as is)."""
-    schema = func._schema
-    ret = schema.returns[i].alias_info
+    returns = func._schema.returns
+    ret = returns[i].alias_info if i < len(returns) else None
     if not (ret and ret.is_write):
         return False
-    for a, arg in zip(schema.arguments, args):
+    for a, arg in zip(func._schema.arguments, args):
         if a.alias_info is not None and a.alias_info.before_set == ret.before_set:
             return type(arg) is cls
     return False

@@ -18,17 +18,17 @@ aten = torch.ops.aten
 
 
 @functools.cache
-def _dim_arg(func) -> tuple[int, str, str] | None:
-    """(index, name, type) of the op's dim argument, or None."""
+def _dim_arg(func) -> tuple[int, str, str, object] | None:
+    """(index, name, type, default) of the op's dim argument, or None."""
     for i, arg in enumerate(func._schema.arguments):
         if arg.name in ("dim", "dims"):
-            return i, arg.name, str(arg.type)
+            return i, arg.name, str(arg.type), arg.default_value
     return None
 
 
 def dim_rule(func, args, dims, kwargs):
     """Batch an op that works along ``dim``/``dims`` of broadcast tensor inputs."""
-    index, name, typ = _dim_arg(func)
+    index, name, typ, default = _dim_arg(func)
     reduction = torch.Tag.reduction in func.tags
     rank = max(a.dim() - (d is not None) for a, d in zip(args, dims) if isinstance(a, torch.Tensor))
     phys = [
@@ -38,7 +38,7 @@ def dim_rule(func, args, dims, kwargs):
     if scalar:  # a dim of a 0-dim tensor means "the only element": give it a real dim
         phys = [p.unsqueeze(-1) if d is not None else p for p, d in zip(phys, dims)]
     positional = index < len(args)
-    dim = args[index] if positional else kwargs.get(name)
+    dim = args[index] if positional else kwargs.get(name, default)
     if isinstance(dim, int):
         dim = wrap_dim(dim, rank) + 1
     elif dim is None or (isinstance(dim, (list, tuple)) and not dim):
@@ -97,7 +97,7 @@ register(
     aten._log_softmax_backward_data, aten.cumsum, aten.cumprod, aten.logcumsumexp,
     aten.cummax, aten.cummin, aten.sort, aten.argsort, aten.topk, aten.kthvalue, aten.flip,
     aten.median.dim, aten.nanmedian.dim, aten.mode, aten.glu, aten.renorm, aten.linalg_cross,
-    aten.cumsum_, aten.cumprod_, aten.squeeze.dim, aten.squeeze.dims, aten.unfold,
+    aten.cumsum_, aten.cumprod_, aten.squeeze.dim, aten.squeeze.dims,
     aten.glu_backward, aten.logsumexp, aten.nansum, aten.count_nonzero,
 )(dim_rule)
 

@@ -119,6 +119,12 @@ def stack(func, args, dims, kwargs):
     return torch.stack(phys, wrap_dim(d, rank + 1) + 1), 0
 
 
+@register(aten.unfold.default)
+def unfold(func, args, dims, kwargs):
+    x, d, size, step = args
+    return to_front(x, dims[0]).unfold(wrap_dim(d, x.dim() - 1) + 1, size, step), 0
+
+
 @register(aten.repeat.default)
 def repeat(func, args, dims, kwargs):
     x, repeats = args

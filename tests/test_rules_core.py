@@ -1,0 +1,178 @@
+"""Own and family rules for views, shape ops, reductions, scans and pointwise ops.
+
+Each case runs under torchlevels.vmap, torch.func.vmap and a Python loop + stack, over
+several in_dims, and must not fall back to the slow per-example loop.
+"""
+
+import warnings
+
+import pytest
+import torch
+from torch.func import vmap as func_vmap
+
+from torchlevels import vmap
+
+torch.manual_seed(0)
+
+
+def loop(f, in_dims, *args):
+    size = next(a.shape[d] for a, d in zip(args, in_dims) if d is not None)
+    rows = [f(*(a if d is None else a.select(d, b) for a, d in zip(args, in_dims)))
+            for b in range(size)]
+    if isinstance(rows[0], tuple):
+        return tuple(torch.stack(r) for r in zip(*rows))
+    return torch.stack(rows)
+
+
+def check(f, *shapes, in_dims=None):
+    """f under vmap equals torch.func and the loop, for each in_dims pattern given."""
+    patterns = in_dims or [(0,) * len(shapes), (-1,) * len(shapes)]
+    for dims in patterns:
+        args = [torch.randn(s) for s in shapes]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # the slow loop warns: that is a failure here
+            ours = vmap(f, in_dims=dims)(*args)
+        torch.testing.assert_close(ours, func_vmap(f, in_dims=dims)(*args), equal_nan=True)
+        torch.testing.assert_close(ours, loop(f, dims, *args), equal_nan=True)
+
+
+VIEWS = {
+    "view": (lambda x: x.view(-1, 2), [(3, 4, 2)]),
+    "reshape_noncontig": (lambda x: x.t().reshape(-1), [(3, 4, 5)]),
+    "permute": (lambda x: x.permute(2, 0, 1), [(3, 4, 5, 2)]),
+    "transpose": (lambda x: x.transpose(-1, 0), [(3, 4, 5)]),
+    "t": (lambda x: x.t(), [(3, 4, 5)]),
+    "expand": (lambda x: x.expand(2, 3, -1), [(3, 1, 3)]),
+    "squeeze": (lambda x: x.squeeze(), [(3, 1, 4, 1)]),
+    "squeeze_dim": (lambda x: x.squeeze(-1), [(3, 4, 1)]),
+    "unsqueeze": (lambda x: x.unsqueeze(-1).unsqueeze(0), [(3, 4)]),
+    "select": (lambda x: x[:, 1], [(3, 4, 5)]),
+    "slice": (lambda x: x[1:3, ::2], [(3, 4, 5)]),
+    "unbind": (lambda x: x.unbind(1), [(3, 4, 2)]),
+    "split": (lambda x: x.split(2, dim=-1), [(3, 4, 5)]),
+    "split_sizes": (lambda x: x.split([1, 3], dim=0), [(4, 4, 4)]),
+    "chunk": (lambda x: x.chunk(2, dim=1), [(3, 4, 4)]),
+    "cat": (lambda x, y: torch.cat([x, y], dim=-1), [(3, 4, 2), (3, 4, 2)]),
+    "stack": (lambda x, y: torch.stack([x, y], dim=1), [(3, 4, 2), (3, 4, 2)]),
+    "flatten": (lambda x: x.flatten(0, 1), [(3, 4, 5, 2)]),
+    "diagonal": (lambda x: x.diagonal(1, -1, -2), [(3, 4, 4)]),
+    "narrow": (lambda x: x.narrow(-1, 1, 2), [(3, 4, 5)]),
+    "movedim": (lambda x: x.movedim(0, -1), [(3, 4, 5, 2)]),
+    "repeat": (lambda x: x.repeat(2, 1, 3), [(3, 4, 5)]),
+    "roll": (lambda x: x.roll(1, -1) + x.roll(2), [(3, 4, 5)]),
+    "flip": (lambda x: x.flip(0, -1), [(3, 4, 5)]),
+    "unfold": (lambda x: x.unfold(-1, 2, 1), [(3, 4, 5)]),
+}
+
+
+@pytest.mark.parametrize("name", VIEWS)
+def test_views(name):
+    f, shapes = VIEWS[name]
+    check(f, *shapes)
+
+
+def test_cat_with_unbatched_and_legacy_empty():
+    check(lambda x, y: torch.cat([x, y, torch.empty(0)], 0), (3, 2, 4), (2, 4),
+          in_dims=[(0, None), (1, None)])
+
+
+def test_views_alias_their_base():
+    def f(x):
+        y = x.clone()
+        y.transpose(0, 1)[0].mul_(0)  # write through a view
+        return y
+
+    check(f, (3, 4, 5))
+
+
+REDUCTIONS = {
+    "sum_all": lambda x: x.sum(),
+    "sum_dims": lambda x: x.sum((0, -1)),
+    "sum_keepdim": lambda x: x.sum(1, keepdim=True),
+    "mean": lambda x: x.mean(-1),
+    "mean_all": lambda x: x.mean(),
+    "prod": lambda x: x.prod(1),
+    "amax": lambda x: x.amax((0, 1)),
+    "max_dim": lambda x: x.max(1),
+    "max_all": lambda x: x.max(),
+    "min_dim_keepdim": lambda x: x.min(0, keepdim=True),
+    "argmax": lambda x: x.argmax(-1),
+    "argmax_all": lambda x: x.argmax(),
+    "var": lambda x: x.var(1),
+    "std_all": lambda x: x.std(),
+    "var_mean": lambda x: torch.var_mean(x, 0),
+    "logsumexp": lambda x: x.logsumexp(-1),
+    "norm": lambda x: x.norm(),
+    "vector_norm": lambda x: torch.linalg.vector_norm(x, 3, dim=(0, 1)),
+    "any": lambda x: (x > 0).any(-1),
+    "all_all": lambda x: (x > 0).all(),
+    "median": lambda x: x.median(1),
+    "median_all": lambda x: x.median(),
+    "nansum": lambda x: x.nansum(0),
+    "count_nonzero": lambda x: (x > 0).count_nonzero(1),
+    "cumsum": lambda x: x.cumsum(1),
+    "cumprod": lambda x: x.cumprod(-1),
+    "cummax": lambda x: x.cummax(0),
+    "logcumsumexp": lambda x: x.logcumsumexp(1),
+    "softmax": lambda x: x.softmax(-1),
+    "log_softmax": lambda x: x.log_softmax(0),
+    "sort": lambda x: x.sort(1, descending=True),
+    "argsort": lambda x: x.argsort(-1),
+    "topk": lambda x: x.topk(2, dim=0),
+    "kthvalue": lambda x: x.kthvalue(2, 1),
+}
+
+
+@pytest.mark.parametrize("name", REDUCTIONS)
+def test_reductions_and_scans(name):
+    check(REDUCTIONS[name], (3, 4, 5))
+
+
+def test_argmax_keepdim_without_dim_matches_eager():
+    # torch.func.vmap returns (B, 1) here although eager gives (1, 1) per example
+    x = torch.randn(3, 4, 5)
+    f = lambda v: v.argmax(keepdim=True)
+    torch.testing.assert_close(vmap(f)(x), loop(f, (0,), x))
+
+
+@pytest.mark.parametrize("name", ["sum_all", "sum_keepdim", "softmax", "cumsum", "max_all"])
+def test_dim_ops_on_zero_dim_logical_tensors(name):
+    f = {"sum_all": lambda x: x.sum(0), "sum_keepdim": lambda x: x.sum(0, keepdim=True),
+         "softmax": lambda x: x.softmax(0), "cumsum": lambda x: x.cumsum(0),
+         "max_all": lambda x: x.max()}[name]
+    check(f, (5,), in_dims=[(0,)])
+
+
+POINTWISE = {
+    "unary": (lambda x: x.sin().exp().tanh(), [(3, 4)]),
+    "binary_broadcast": (lambda x, y: x * y + x, [(3, 3, 3), (3, 3)]),
+    "ternary_where": (lambda c, x, y: torch.where(c > 0, x, y), [(3, 3, 3), (3, 3), (3, 3, 3)]),
+    "clamp_tensors": (lambda x, lo: x.clamp(min=lo), [(3, 4), (3, 4)]),
+    "lerp": (lambda a, b, w: torch.lerp(a, b, w), [(3, 4), (3, 4), (3, 4)]),
+    "pow_scalar": (lambda x: x.abs().pow(1.5), [(3, 4)]),
+    "comparison": (lambda x, y: (x > y) & (x > 0), [(3, 4), (3, 4)]),
+    "frexp": (lambda x: torch.frexp(x), [(3, 4)]),
+    "addcmul": (lambda x, y, z: torch.addcmul(x, y, z, value=0.5), [(3, 3), (3, 3, 3), (3, 3)]),
+}
+
+
+@pytest.mark.parametrize("name", POINTWISE)
+def test_pointwise(name):
+    f, shapes = POINTWISE[name]
+    patterns = [(0,) * len(shapes), (-1,) * len(shapes), (0,) + (None,) * (len(shapes) - 1)]
+    for dims in patterns:
+        args = [torch.randn(s) for s in shapes]
+        args = [a if d is not None else a[0] for a, d in zip(args, dims)]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            ours = vmap(f, in_dims=dims)(*args)
+        torch.testing.assert_close(ours, func_vmap(f, in_dims=dims)(*args))
+        torch.testing.assert_close(ours, loop(f, dims, *args))
+
+
+def test_pointwise_mixed_dtypes_and_int_tensors():
+    f = lambda a, b: a * b + (a // 2)
+    x, y = torch.randint(0, 5, (3, 4)), torch.randn(4)
+    for dims, args in [((0, None), (x, y)), ((None, 0), (x[0], torch.randn(3, 4))), ((1, 0), (
+            x, torch.randn(4, 3)))]:
+        torch.testing.assert_close(vmap(f, in_dims=dims)(*args), func_vmap(f, in_dims=dims)(*args))
