@@ -1,0 +1,1 @@
+"""Benchmarks of torchlevels against torch.func, measured in one process; see run.py."""

@@ -1,0 +1,196 @@
+"""Writing the results: BENCHMARKS.md and one bar chart per group."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from benchmarks.groups import PLAIN, TORCH_FUNC, TORCHLEVELS, Benchmark, Group
+from benchmarks.timing import Timing
+
+ROOT = Path(__file__).resolve().parent.parent
+COMMAND = "make bench"
+
+
+@dataclass
+class Result:
+    """The timings of one benchmark and how torchlevels batched its ops."""
+
+    benchmark: Benchmark
+    timings: dict[str, Timing]
+    batching: dict[str, str] = field(default_factory=dict)  # aten op -> how
+
+    @property
+    def ratio(self) -> float:
+        return self.timings[TORCHLEVELS].median / self.timings[TORCH_FUNC].median
+
+    @property
+    def met(self) -> bool | None:
+        target = self.benchmark.target
+        return None if target is None else self.ratio <= target
+
+
+def machine() -> dict[str, str]:
+    """What the benchmarks ran on."""
+    cpu = platform.processor() or "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "?"
+    return {
+        "CPU": cpu,
+        "cores": str(os.cpu_count()),
+        "torch threads": str(torch.get_num_threads()),
+        "torch": torch.__version__,
+        "Python": platform.python_version(),
+        "OS": platform.platform(),
+        "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
+        "load average at start (1, 5, 15 min)": load,
+    }
+
+
+def fmt_time(seconds: float) -> str:
+    """A duration with a unit that keeps 3 significant figures readable."""
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.1f} µs"
+    if seconds < 1:
+        return f"{seconds * 1e3:.2f} ms"
+    return f"{seconds:.2f} s"
+
+
+def progress_line(result: Result) -> str:
+    """One line for the terminal as a benchmark finishes."""
+    t = result.timings
+    met = {True: "met", False: "NOT met", None: "no target"}[result.met]
+    return (
+        f"  {result.benchmark.name:<40} plain {fmt_time(t[PLAIN].median):>10}  "
+        f"torch.func {fmt_time(t[TORCH_FUNC].median):>10}  "
+        f"torchlevels {fmt_time(t[TORCHLEVELS].median):>10}  "
+        f"ratio {result.ratio:5.2f} (target {result.benchmark.target}: {met})"
+    )
+
+
+def plot_group(key: str, group: Group, results: list[Result]) -> Path:
+    """A horizontal bar chart of median time per call for each implementation."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    impls = [PLAIN, TORCH_FUNC, TORCHLEVELS]
+    colors = {PLAIN: "#999999", TORCH_FUNC: "#4c72b0", TORCHLEVELS: "#dd8452"}
+    height = 0.8 / len(impls)
+    fig, ax = plt.subplots(figsize=(8, 1.8 + 1.2 * len(results)))
+    for j, impl in enumerate(impls):
+        ys = [i + (j - 1) * height for i in range(len(results))]
+        us = [r.timings[impl].median * 1e6 for r in results]
+        bars = ax.barh(ys, us, height, label=impl, color=colors[impl])
+        ax.bar_label(bars, labels=[fmt_time(u / 1e6) for u in us], padding=3, fontsize=8)
+    ax.set_yticks(range(len(results)))
+    ax.set_yticklabels(
+        [f"{r.benchmark.name}\nratio {r.ratio:.2f}" for r in results], fontsize=8
+    )
+    ax.invert_yaxis()
+    ax.set_xlabel("median time per call (µs)")
+    ax.set_xlim(0, 1.25 * max(r.timings[i].median * 1e6 for r in results for i in impls))
+    ax.set_title(group.title)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=len(impls), fontsize=8)
+    fig.tight_layout()
+    path = ROOT / "benchmarks" / f"{key}.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def render(results: dict[str, list[Result]], groups: dict[str, Group], info: dict) -> str:
+    """The markdown of BENCHMARKS.md."""
+    lines = [
+        "# Benchmarks: torchlevels.vmap against torch.func.vmap",
+        "",
+        f"Regenerate with `{COMMAND}` (runs `.venv/bin/python -m benchmarks.run`, which "
+        "rewrites this file and the charts under `benchmarks/`).",
+        "",
+        "## Method",
+        "",
+        "All implementations run in one process. Before timing, the torchlevels output (and "
+        "the plain batched output) is checked against torch.func with `assert_close`, so a "
+        "broken transform cannot post a good time. Each implementation is warmed up, then "
+        "timed in rounds: one block of calls (about 20 ms) per implementation per round, "
+        "rotating and reversing the order every round so drift of the machine hits all "
+        "alike. Reported: the median time per call over the rounds; ratio = "
+        "median(torchlevels) / median(torch.func). Lower is better; the anchor is torch.func. "
+        "The plain column is the same computation written batched, without vmap: the "
+        "floor any vmap could reach. The garbage collector stays on, as in real use.",
+        "",
+        "## Machine",
+        "",
+        "| | |",
+        "|---|---|",
+        *(f"| {k} | {v} |" for k, v in info.items()),
+        "",
+        "## Summary",
+        "",
+        "| group | benchmark | ratio | target | met? |",
+        "|---|---|---:|---:|---|",
+    ]
+    for key, group_results in results.items():
+        for r in group_results:
+            lines.append(f"| {groups[key].title} | {r.benchmark.name} | {r.ratio:.2f} | "
+                         f"{_target(r)} | {_met(r)} |")
+    for key, group_results in results.items():
+        group = groups[key]
+        lines += [
+            "",
+            f"## {group.title}",
+            "",
+            group.description,
+            "",
+            "| benchmark | plain, no vmap (reference) | torch.func median | "
+            "torchlevels median | ratio | target | met? |",
+            "|---|---:|---:|---:|---:|---:|---|",
+        ]
+        for r in group_results:
+            t = r.timings
+            lines.append(
+                f"| {r.benchmark.name} | {fmt_time(t[PLAIN].median)} | "
+                f"{fmt_time(t[TORCH_FUNC].median)} | {fmt_time(t[TORCHLEVELS].median)} | "
+                f"{r.ratio:.2f} | {_target(r)} | {_met(r)} |"
+            )
+        lines += ["", f"![{group.title}](benchmarks/{key}.png)", ""]
+        for r in group_results:
+            rounds = len(r.timings[TORCH_FUNC].per_call)
+            noise = ", ".join(f"{k} {v.spread:.0%}" for k, v in r.timings.items())
+            lines.append(f"- {r.benchmark.name}: {rounds} rounds; interquartile spread / "
+                         f"median: {noise}.")
+            if r.batching:
+                how = "; ".join(f"`{op}` {h}" for op, h in r.batching.items())
+                lines.append(f"  How torchlevels batched the ops reaching its level: {how}.")
+    return "\n".join(lines) + "\n"
+
+
+def _target(r: Result) -> str:
+    return "—" if r.benchmark.target is None else f"<= {r.benchmark.target}"
+
+
+def _met(r: Result) -> str:
+    return {True: "yes", False: "**no**", None: "—"}[r.met]
+
+
+def write(results: dict[str, list[Result]], groups: dict[str, Group], info: dict) -> Path:
+    """Write BENCHMARKS.md and the charts; return the markdown's path."""
+    for key, group_results in results.items():
+        plot_group(key, groups[key], group_results)
+    path = ROOT / "BENCHMARKS.md"
+    path.write_text(render(results, groups, info))
+    print(f"wrote {path} and benchmarks/*.png", file=sys.stderr)
+    return path

@@ -1,0 +1,111 @@
+"""Run the benchmarks and write BENCHMARKS.md: ``make bench`` or ``python -m benchmarks.run``.
+
+Options: ``--groups overhead mlp`` runs only those groups; ``--budget 5`` caps the timing
+seconds per benchmark; ``--threads 2`` sets torch's intra-op threads (default 1);
+``--no-write`` prints without rewriting BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+import warnings
+from collections.abc import Iterator
+
+import torch
+
+from benchmarks import report
+from benchmarks.groups import GROUPS, PLAIN, TORCH_FUNC, TORCHLEVELS, Benchmark
+from benchmarks.report import Result
+from benchmarks.timing import time_interleaved
+from torchlevels import LevelTensor
+from torchlevels.batching.registry import How, resolve
+
+
+@contextlib.contextmanager
+def _recording_level_ops() -> Iterator[dict]:
+    """Record every op reaching a torchlevels level (decomposition pieces included)."""
+    seen: dict = {}
+    hook = LevelTensor.__dict__.get("__torch_dispatch__")
+    if not isinstance(hook, classmethod):  # the core changed shape: record nothing
+        yield seen
+        return
+    original = hook.__func__
+
+    def recording(cls, func, types, args=(), kwargs=None):
+        seen[func] = None
+        return original(cls, func, types, args, kwargs)
+
+    LevelTensor.__torch_dispatch__ = classmethod(recording)
+    try:
+        yield seen
+    finally:
+        LevelTensor.__torch_dispatch__ = classmethod(original)
+
+
+def describe_batching(benchmark: Benchmark) -> dict[str, str]:
+    """For each op reaching the torchlevels level, how the registry batches it."""
+    with warnings.catch_warnings(), _recording_level_ops() as seen:
+        warnings.simplefilter("ignore")
+        benchmark.impls[TORCHLEVELS]()
+    out = {}
+    for func in seen:
+        resolved = resolve(func)
+        family = f" ({resolved.family})" if resolved.how is How.FAMILY else ""
+        out[str(func)] = resolved.how.value + family
+    return out
+
+
+def check(benchmark: Benchmark) -> None:
+    """Raise if torchlevels (or the plain reference) disagrees with torch.func."""
+    expected = benchmark.impls[TORCH_FUNC]()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # slow-loop warnings: reported via describe_batching
+        got = benchmark.impls[TORCHLEVELS]()
+    torch.testing.assert_close(got, expected, msg=lambda m: f"{benchmark.name}: torchlevels "
+                               f"differs from torch.func: {m}")
+    torch.testing.assert_close(benchmark.impls[PLAIN](), expected, rtol=1e-4, atol=1e-4,
+                               msg=lambda m: f"{benchmark.name}: plain differs: {m}")
+
+
+def run_benchmark(benchmark: Benchmark, budget_s: float) -> Result:
+    """Check, then time one benchmark."""
+    check(benchmark)
+    batching = describe_batching(benchmark)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        timings = time_interleaved(benchmark.impls, budget_s=budget_s)
+    return Result(benchmark, timings, batching)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the selected groups, print each result as it lands, write the report."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--groups", nargs="+", choices=list(GROUPS), default=list(GROUPS))
+    parser.add_argument("--budget", type=float, default=12.0,
+                        help="timing seconds per benchmark (default %(default)s)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch intra-op threads (default %(default)s: on a small shared "
+                        "machine one thread gives far steadier timings)")
+    parser.add_argument("--no-write", action="store_true", help="do not rewrite BENCHMARKS.md")
+    args = parser.parse_args(argv)
+
+    torch.set_num_threads(args.threads)
+    info = report.machine()
+    print("  ".join(f"{k}: {v}" for k, v in info.items()), file=sys.stderr)
+    results: dict[str, list[Result]] = {}
+    for key in args.groups:
+        group = GROUPS[key]
+        print(f"{group.title}:", file=sys.stderr, flush=True)
+        results[key] = []
+        for benchmark in group.build():
+            result = run_benchmark(benchmark, args.budget)
+            results[key].append(result)
+            print(report.progress_line(result), file=sys.stderr, flush=True)
+    if not args.no_write:
+        report.write(results, GROUPS, info)
+
+
+if __name__ == "__main__":
+    main()
