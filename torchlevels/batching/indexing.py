@@ -1,3 +1,412 @@
-"""Own rules for indexing ops: index, index_put, gather, scatter, index_select, embedding."""
+"""Own rules for indexing ops: index, index_put, gather, scatter, index_select, embedding...
+
+Three ideas cover them all. A batched ``self`` indexed by unbatched indices gets a
+leading full slice (``None``) so the batch dim is carried along. Batched indices into a
+batched ``self`` get a leading ``arange(B)`` index that pairs each example's indices
+with its own slice of ``self``. Ops that take one index vector along ``dim`` (index_add,
+index_copy, ...) with a batched index fold the batch into ``dim`` and offset each
+example's indices by ``b * self.size(dim)``.
+
+In-place variants write through a view of the batched ``self`` and refuse an unbatched
+``self`` that would receive batched values. Ops whose output shape depends on the
+values (nonzero, masked_select over a batched mask, indexing with a batched bool mask)
+raise, as torch.func does.
+"""
 
 from __future__ import annotations
+
+import torch
+
+from torchlevels.batching.dims import logical_rank, materialize, pad_to_rank, to_front, wrap_dim
+from torchlevels.batching.pointwise import pointwise_rule, raise_inplace_unbatched_self
+from torchlevels.batching.registry import batch_size, register
+
+aten = torch.ops.aten
+MASK_DTYPES = (torch.bool, torch.uint8)
+
+
+def _is_inplace(func) -> bool:
+    return torch.Tag.inplace in func.tags
+
+
+def _out_of_place(func):
+    """``index_add_.default`` -> ``index_add.default``."""
+    packet = getattr(aten, func.overloadpacket.__name__.rstrip("_"))
+    return getattr(packet, func._overloadname)
+
+
+def _dynamic_shape_error(what: str) -> RuntimeError:
+    return RuntimeError(
+        f"vmap: We do not support batching operators that can output dynamic shape. "
+        f"Attempted to vmap over {what}: each example would give a differently shaped result."
+    )
+
+
+def _arange(size: int, rank: int, device) -> torch.Tensor:
+    """``arange(size)`` shaped ``(size, 1, ..., 1)`` to broadcast against ``rank`` index dims."""
+    return torch.arange(size, device=device).view(size, *(1,) * rank)
+
+
+def _move_block(x: torch.Tensor, n: int, src: int, dst: int) -> torch.Tensor:
+    """Move the ``n`` consecutive dims starting at ``src`` so they start at ``dst``."""
+    if n == 0 or src == dst:
+        return x
+    return x.movedim(tuple(range(src, src + n)), tuple(range(dst, dst + n)))
+
+
+# -- advanced indexing: index.Tensor and index_put -------------------------------------------
+
+
+def _block_position(indices: list) -> int | None:
+    """Where the advanced-index result dims go: the first index's position when the
+    non-None indices are adjacent, else None (numpy rules put them first)."""
+    used = [i for i, t in enumerate(indices) if t is not None]
+    if used and used[-1] - used[0] + 1 == len(used):
+        return used[0]
+    return None
+
+
+def _index_rank(indices: list, index_dims: tuple) -> int:
+    """The logical rank of the broadcast indices (a bool mask gives one dim)."""
+    return max(
+        (1 if t.dtype in MASK_DTYPES else logical_rank(t, d)
+         for t, d in zip(indices, index_dims) if t is not None),
+        default=0,
+    )
+
+
+def _indexed_rank(self_rank: int, indices: list) -> int:
+    """The logical rank of ``self[indices]``, given the broadcast index rank."""
+    consumed = sum(t.dim() if t.dtype in MASK_DTYPES else 1 for t in indices if t is not None)
+    return self_rank - consumed
+
+
+def _index_args(args, dims):
+    """(self, self bdim, indices, index bdims), refusing batched bool masks."""
+    self, indices = args[0], args[1]
+    index_dims = dims[1] or (None,) * len(indices)
+    for t, d in zip(indices, index_dims):
+        if d is not None and t.dtype in MASK_DTYPES:
+            raise _dynamic_shape_error("indexing with a batched boolean mask")
+    return self, dims[0], indices, index_dims
+
+
+def _batched_indices(indices, index_dims, rank):
+    """Indices with batch dims first, padded so they broadcast with each other."""
+    return [
+        t if d is None else pad_to_rank(to_front(t, d), rank)
+        for t, d in zip(indices, index_dims)
+    ]
+
+
+@register(aten.index.Tensor)
+def index(func, args, dims, kwargs):
+    """``self[indices]`` with a batched self and/or batched index tensors."""
+    self, self_bdim, indices, index_dims = _index_args(args, dims)
+    pos = _block_position(indices)
+    rank = _index_rank(indices, index_dims)
+    if all(d is None for d in index_dims):
+        out = func(to_front(self, self_bdim), [None, *indices])
+        # indices apart from each other put their result dims before the batch dim
+        return out, 0 if pos is not None else rank
+    phys = _batched_indices(indices, index_dims, rank)
+    if self_bdim is None:
+        # the batch dim of the indices lands where the indexed dims go
+        return func(self, phys), pos or 0
+    size = batch_size(args, dims)
+    out = func(to_front(self, self_bdim), [_arange(size, rank, self.device), *phys])
+    # the leading arange put [B, index dims] first; adjacent indices want them at `pos`
+    return _move_block(out, rank, 1, 1 + (pos or 0)), 0
+
+
+@register(aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default)
+def index_put(func, args, dims, kwargs):
+    """``self[indices] = values`` (accumulate or not), out of place or in place."""
+    self, self_bdim, indices, index_dims = _index_args(args, dims)
+    values, rest = args[2], args[3:]
+    inplace = _is_inplace(func)
+    if inplace and self_bdim is None:
+        raise_inplace_unbatched_self(func)
+    size = batch_size(args, dims)
+    pos = _block_position(indices)
+    rank = _index_rank(indices, index_dims)
+    phys = [_arange(size, rank, self.device), *_batched_indices(indices, index_dims, rank)]
+    # With the arange first, the indexed region is [B, index dims, other dims] whatever
+    # the indices; values are given in the logical layout, so line them up with it.
+    target = rank + _indexed_rank(logical_rank(self, self_bdim), indices)
+    pos = pos or 0
+    if dims[2] is None:
+        values = values.reshape((1,) * (target - values.dim()) + values.shape)
+        values = _move_block(values, rank, pos, 0)
+    else:
+        values = _move_block(pad_to_rank(to_front(values, dims[2]), target), rank, 1 + pos, 1)
+    out = func(materialize(self, self_bdim, size), phys, values, *rest, **kwargs)
+    return (self, self_bdim) if inplace else (out, 0)
+
+
+# -- gather and scatter: index has the rank of self -----------------------------------------
+
+
+def _with_dim(x, bdim, size, rank):
+    """``x`` batched first, with a real dim when its logical rank is 0 (gather/scatter
+    treat a 0-dim tensor as having one dim of size 1)."""
+    x = materialize(x, bdim, size)
+    return x.unsqueeze(-1) if rank == 0 else x
+
+
+@register(aten.gather.default)
+def gather(func, args, dims, kwargs):
+    """gather along ``dim``: both tensors batched first, ``dim`` shifted by one."""
+    self, dim, index, *rest = args
+    size = batch_size(args, dims)
+    self_rank, index_rank = logical_rank(self, dims[0]), logical_rank(index, dims[2])
+    out = func(_with_dim(self, dims[0], size, self_rank), wrap_dim(dim, self_rank) + 1,
+               _with_dim(index, dims[2], size, index_rank), *rest, **kwargs)
+    return (out.squeeze(-1) if index_rank == 0 else out), 0
+
+
+@register(aten.scatter.src, aten.scatter.value, aten.scatter.reduce, aten.scatter.value_reduce,
+          aten.scatter_.src, aten.scatter_.value, aten.scatter_.reduce, aten.scatter_.value_reduce,
+          aten.scatter_add.default, aten.scatter_add_.default,
+          aten.scatter_reduce.two, aten.scatter_reduce_.two)
+def scatter(func, args, dims, kwargs):
+    """scatter/scatter_add/scatter_reduce (and in place): all tensors batched first."""
+    self, dim, index, src, *rest = args
+    inplace = _is_inplace(func)
+    if inplace and dims[0] is None:
+        raise_inplace_unbatched_self(func)
+    size = batch_size(args, dims)
+    self_rank = logical_rank(self, dims[0])
+    if isinstance(src, torch.Tensor):
+        src = _with_dim(src, dims[3], size, logical_rank(src, dims[3]))
+    # for a 0-dim self, unsqueeze gives a view, so in-place ops still write into self
+    out = func(_with_dim(self, dims[0], size, self_rank), wrap_dim(dim, self_rank) + 1,
+               _with_dim(index, dims[2], size, logical_rank(index, dims[2])), src, *rest,
+               **kwargs)
+    if inplace:
+        return self, dims[0]
+    return (out.squeeze(-1) if self_rank == 0 else out), 0
+
+
+# -- ops taking one index vector along dim ----------------------------------------------------
+
+
+@register(aten.index_select.default)
+def index_select(func, args, dims, kwargs):
+    """index_select: slice along dim+1, or gather when the index is batched."""
+    self, dim, index = args
+    rank = logical_rank(self, dims[0])
+    d = wrap_dim(dim, rank)
+    if dims[2] is None:
+        x = to_front(self, dims[0])
+        return (x if rank == 0 else func(x, d + 1, index)), 0
+    size = batch_size(args, dims)
+    index = to_front(index, dims[2]).reshape(size, -1)  # a 0-dim index acts as one entry
+    if dims[0] is None:
+        # one index_select for all examples; its output dim d splits into (B, n)
+        if rank == 0:
+            return self.expand(size), 0
+        return func(self, d, index.reshape(-1)).unflatten(d, index.shape), d
+    x = to_front(self, dims[0])
+    if rank == 0:
+        return x, 0
+    shape = list(x.shape)
+    shape[d + 1] = index.shape[1]
+    index = index.view(size, *(1,) * d, -1, *(1,) * (rank - d - 1)).expand(shape)
+    return x.gather(d + 1, index), 0
+
+
+@register(aten.index_add.default, aten.index_add_.default, aten.index_copy.default,
+          aten.index_copy_.default, aten.index_fill.int_Scalar, aten.index_fill_.int_Scalar,
+          aten.index_fill.int_Tensor, aten.index_fill_.int_Tensor, aten.index_reduce.default,
+          aten.index_reduce_.default)
+def index_update(func, args, dims, kwargs):
+    """index_add/index_copy/index_fill/index_reduce (and in place) along ``dim``."""
+    self, dim, index, source, *rest = args
+    inplace = _is_inplace(func)
+    if inplace and dims[0] is None:
+        raise_inplace_unbatched_self(func)
+    size = batch_size(args, dims)
+    rank = logical_rank(self, dims[0])
+    d = wrap_dim(dim, rank) + 1
+    x = materialize(self, dims[0], size)
+    if rank == 0:  # a 0-dim self acts as one entry; unsqueeze keeps in-place writes in self
+        x = x.unsqueeze(-1)
+    fill = func.overloadpacket in (aten.index_fill, aten.index_fill_)
+    source_bdim = None  # a fill value shared by all examples
+    if fill and dims[3] is not None:
+        # a different fill value per example: copy it in as a source instead
+        shape = list(x.shape)
+        shape[d] = index.numel() // (size if dims[2] is not None else 1)  # entries per example
+        source = to_front(source, dims[3]).to(x.dtype).view(size, *(1,) * (x.dim() - 1))
+        source, source_bdim = source.expand(shape), 0
+        func = aten.index_copy_.default if inplace else aten.index_copy.default
+    elif not fill:
+        source, source_bdim = materialize(source, dims[3], size), 0
+        if source.dim() < x.dim():  # a 0-dim source for a 0-dim self or index
+            source = source.unsqueeze(-1)
+    if dims[2] is None:
+        out = func(x, d, index, source, *rest, **kwargs)
+    else:
+        out = _folded_update(_out_of_place(func) if inplace else func, x, d, index, dims[2],
+                             source, source_bdim, rest, kwargs)
+        if inplace:
+            x.copy_(out)
+    if inplace:
+        return self, dims[0]
+    return (out.squeeze(-1) if rank == 0 else out), 0
+
+
+def _folded_update(func, x, d, index, index_bdim, source, source_bdim, rest, kwargs):
+    """Run an index_* op with a batched index once: fold the batch into dim ``d`` and
+    offset each example's indices by ``b * x.size(d)``, so examples stay apart."""
+    size, length = x.shape[0], x.shape[d]
+    index = to_front(index, index_bdim).reshape(size, -1)
+    index = (index + _arange(size, 1, index.device) * length).reshape(-1)
+    folded = x.movedim(d, 1).flatten(0, 1)
+    if source_bdim is not None:
+        source = source.movedim(d, 1).flatten(0, 1)
+    out = func(folded, 0, index, source, *rest, **kwargs)
+    return out.unflatten(0, (size, length)).movedim(1, d)
+
+
+# -- take, masked ops, data-dependent shapes --------------------------------------------------
+
+
+@register(aten.take.default)
+def take(func, args, dims, kwargs):
+    """take: index each example's flattened self with a gather."""
+    self, index = args
+    size = batch_size(args, dims)
+    flat = materialize(self, dims[0], size).reshape(size, -1)
+    index = materialize(index, dims[1], size)
+    flat_index = index.reshape(size, -1)
+    # take accepts negative indices, gather does not (gather still checks the bounds)
+    flat_index = torch.where(flat_index < 0, flat_index + flat.shape[1], flat_index)
+    return flat.gather(1, flat_index).view(index.shape), 0
+
+
+@register(aten.masked_fill.Tensor, aten.masked_fill_.Scalar, aten.masked_fill_.Tensor)
+def masked_fill(func, args, dims, kwargs):
+    """masked_fill: pointwise, except a batched fill value becomes a ``where``."""
+    self, mask, value = args
+    inplace = _is_inplace(func)
+    if inplace and dims[0] is None:
+        raise_inplace_unbatched_self(func)
+    value_batched = dims[2] is not None
+    if not inplace and not value_batched:
+        return pointwise_rule(func, args, dims, kwargs)
+    rank = max(logical_rank(self, dims[0]), logical_rank(mask, dims[1]))
+    mask = mask if dims[1] is None else pad_to_rank(to_front(mask, dims[1]), rank)
+    x = to_front(self, dims[0])
+    if value_batched:
+        value = pad_to_rank(to_front(value, dims[2]).to(self.dtype), rank)
+    if inplace:
+        x = pad_to_rank(x, rank)  # the mask may not be bigger in place: torch raises then
+        if value_batched:
+            x.copy_(torch.where(mask, value, x))
+        else:
+            x.masked_fill_(mask, value)
+        return self, dims[0]
+    x = x if dims[0] is None else pad_to_rank(x, rank)
+    return torch.where(mask, value, x), 0
+
+
+@register(aten.masked_select.default)
+def masked_select(func, args, dims, kwargs):
+    """masked_select with a shared mask; a batched mask gives data-dependent shapes."""
+    self, mask = args
+    if dims[1] is not None:
+        raise RuntimeError(
+            "vmap: Attempted to vmap over `mask` in torch.masked_select(self, mask). We cannot "
+            "support this because for each example this would return a differently shaped "
+            "Tensor."
+        )
+    x = to_front(self, dims[0])
+    rank = max(x.dim() - 1, mask.dim())
+    shape = torch.broadcast_shapes(x.shape[1:], mask.shape)
+    x = pad_to_rank(x, rank).expand(x.shape[0], *shape)
+    return aten.index.Tensor(x, [None, mask.expand(shape)]), 0
+
+
+@register(aten.masked_scatter.default, aten.masked_scatter_.default)
+def masked_scatter(func, args, dims, kwargs):
+    """masked_scatter: the k-th True of each example's mask takes its source's k-th value."""
+    self, mask, source = args
+    inplace = _is_inplace(func)
+    if inplace and dims[0] is None:
+        raise_inplace_unbatched_self(func)
+    if self.dtype != source.dtype:
+        raise RuntimeError(
+            f"masked_scatter: expected self and source to have same dtypes but got "
+            f"{self.dtype} and {source.dtype}"
+        )
+    size = batch_size(args, dims)
+    rank = max(logical_rank(self, dims[0]), logical_rank(mask, dims[1]))
+    x = pad_to_rank(materialize(self, dims[0], size), rank)
+    m = pad_to_rank(materialize(mask, dims[1], size), rank)
+    shape = torch.broadcast_shapes(x.shape, m.shape)
+    m = m.expand(shape)
+    flat_source = materialize(source, dims[2], size).reshape(size, -1)
+    if flat_source.shape[1] == 0:  # nothing to gather from: keep gather's index in range
+        flat_source = flat_source.new_zeros(size, 1)
+    # the running count of Trues numbers the source value each position takes
+    position = (m.reshape(size, -1).cumsum(1) - 1).clamp(min=0)
+    out = torch.where(m, flat_source.gather(1, position).view(shape), x)
+    if inplace:
+        to_front(self, dims[0]).copy_(out.view(to_front(self, dims[0]).shape))
+        return self, dims[0]
+    return out, 0
+
+
+@register(aten.nonzero.default)
+def nonzero(func, args, dims, kwargs):
+    """nonzero's output shape depends on the values: refuse, as torch.func does."""
+    raise _dynamic_shape_error(str(func))
+
+
+# -- embedding ------------------------------------------------------------------------------
+
+
+@register(aten.embedding.default)
+def embedding(func, args, dims, kwargs):
+    """embedding: batched indices look up as they are; a batched weight is folded."""
+    weight, indices, *rest = args
+    weight_bdim, indices_bdim = dims[0], dims[1]
+    if weight_bdim is None:
+        return func(weight, indices, *rest, **kwargs), indices_bdim
+    size = weight.shape[weight_bdim]
+    if indices_bdim is None:
+        # [V, B*D]: one lookup serves every example, and padding_idx keeps its meaning
+        folded = weight.movedim(weight_bdim, 1).flatten(1, 2)
+        out = func(folded, indices, *rest, **kwargs).unflatten(-1, (size, -1))
+        return out, out.dim() - 2
+    # [B*V, D] with indices offset by b * V, then the padding row's gradient stops by hand
+    weight = to_front(weight, weight_bdim)
+    indices = to_front(indices, indices_bdim)
+    offset = indices + _arange(size, indices.dim() - 1, indices.device) * weight.shape[1]
+    padding_idx = rest[0] if rest else -1
+    out = func(weight.flatten(0, 1), offset, -1, *rest[1:], **kwargs)
+    if padding_idx >= 0:
+        out = torch.where((indices == padding_idx).unsqueeze(-1), out.detach(), out)
+    return out, 0
+
+
+@register(aten.embedding_dense_backward.default)
+def embedding_dense_backward(func, args, dims, kwargs):
+    """The gradient of embedding for batched grads and/or indices."""
+    grad, indices, num_weights, padding_idx, scale_grad_by_freq = args
+    size = batch_size(args, dims)
+    if dims[1] is None:
+        # fold the batch into the embedding dim: one backward for all examples
+        grad = to_front(grad, dims[0]).movedim(0, -2).flatten(-2, -1)
+        out = func(grad, indices, num_weights, padding_idx, scale_grad_by_freq)
+        return out.unflatten(-1, (size, -1)), 1
+    indices = to_front(indices, dims[1])
+    grad = materialize(grad, dims[0], size)
+    offset = indices + _arange(size, indices.dim() - 1, indices.device) * num_weights
+    out = func(grad, offset, size * num_weights, -1, scale_grad_by_freq)
+    out = out.unflatten(0, (size, num_weights))
+    if padding_idx >= 0:
+        out[:, padding_idx] = 0  # a fresh tensor: zero the padding row of every example
+    return out, 0

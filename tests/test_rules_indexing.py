@@ -1,0 +1,580 @@
+"""Indexing batching rules, checked against torch.func.vmap and a per-example loop."""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+import torchlevels
+from torchlevels.batching import registry
+
+aten = torch.ops.aten
+# torch.func's own slow-path warnings are noise here; ours are checked in run_ours
+pytestmark = pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")
+B = 3
+DIMS = (None, 0, -1)  # unbatched, batched in front, batched last
+
+
+@pytest.fixture(autouse=True)
+def _fresh_warnings(monkeypatch):
+    # the loop warns once per op; forget earlier warnings so every test can see its own
+    monkeypatch.setattr(registry, "_warned", set())
+    torch.manual_seed(0)
+
+
+def batched(make, d):
+    """One example from ``make()``, or B of them stacked at ``d``."""
+    if d is None:
+        return make()
+    return torch.stack([make() for _ in range(B)], d)
+
+
+def combos(n):
+    """Every assignment of DIMS to n tensors with at least one batched."""
+    return [c for c in itertools.product(DIMS, repeat=n) if any(d is not None for d in c)]
+
+
+def _clone(args):
+    return [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+
+
+def _loop(fn, args, in_dims):
+    outs = []
+    for b in range(B):
+        outs.append(fn(*[a if d is None else a.select(d, b) for a, d in zip(args, in_dims)]))
+    return torch.stack(outs)
+
+
+def run_ours(fn, args, in_dims):
+    """torchlevels.vmap, failing if any op fell back to the slow loop."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = torchlevels.vmap(fn, in_dims=in_dims)(*args)
+    slow = [str(w.message) for w in caught if "no batching rule" in str(w.message)]
+    assert not slow, slow
+    return out
+
+
+def check(fn, args, in_dims, ref_fn=None, torch_func=True):
+    """ours == torch.func.vmap == loop, outputs and (for in-place fns) mutated inputs.
+
+    ``ref_fn``, an out-of-place equivalent of ``fn``, replaces ``fn`` under torch.func
+    where torch.func gets the in-place op wrong (then only the loop checks mutation).
+    ``torch_func=False`` skips torch.func where its answer is wrong (the loop disagrees).
+    """
+    in_dims = tuple(in_dims)
+    ours_args, ref_args, loop_args = _clone(args), _clone(args), _clone(args)
+    ours = run_ours(fn, ours_args, in_dims)
+    loop = _loop(fn, loop_args, in_dims)
+    assert_close(ours, loop)
+    assert_close(ours_args, loop_args)
+    if torch_func:
+        ref = torch.func.vmap(ref_fn or fn, in_dims=in_dims)(*ref_args)
+        assert_close(ours, ref)
+        if ref_fn is None:
+            assert_close(ours_args, ref_args)
+
+
+def check_raises(fn, args, in_dims, match=None):
+    """Both ours and torch.func refuse."""
+    with pytest.raises(RuntimeError):
+        torch.func.vmap(fn, in_dims=tuple(in_dims))(*_clone(args))
+    with pytest.raises(RuntimeError, match=match):
+        run_ours(fn, _clone(args), tuple(in_dims))
+
+
+def randint(high, *shape):
+    return lambda: torch.randint(0, high, shape)
+
+
+def randn(*shape):
+    return lambda: torch.randn(shape)
+
+
+def perm(n, k):
+    """k distinct indices below n (so writes with duplicates cannot race)."""
+    return lambda: torch.randperm(n)[:k]
+
+
+def fixed(t):
+    return lambda: t.clone()
+
+
+# -- index.Tensor ---------------------------------------------------------------------------
+
+# (name, make indices, f(x, *index tensors)) over x of logical shape (4, 5, 6)
+INDEX_CASES = [
+    ("i", [randint(4, 2, 3)], lambda i: [i]),
+    ("_i", [randint(5, 3)], lambda i: [None, i]),
+    ("__i", [randint(6, 2, 2)], lambda i: [None, None, i]),
+    ("ij", [randint(4, 3), randint(5, 2, 3)], lambda i, j: [i, j]),
+    ("_ij", [randint(5, 3, 1), randint(6, 2)], lambda i, j: [None, i, j]),
+    ("i_j", [randint(4, 3), randint(6, 1, 3)], lambda i, j: [i, None, j]),
+    ("ijk", [randint(4, 2), randint(5, 2), randint(6, 2)], lambda i, j, k: [i, j, k]),
+    ("scalar", [lambda: torch.tensor(2)], lambda i: [None, i]),
+    ("scalar_i", [lambda: torch.tensor(1), randint(6, 4)], lambda i, j: [i, None, j]),
+]
+MASK3 = torch.tensor([True, False, True, False, False, True])  # three entries: pairs with (3,)
+
+
+@pytest.mark.parametrize("name,makers,pattern", INDEX_CASES, ids=[c[0] for c in INDEX_CASES])
+def test_index(name, makers, pattern):
+    for dims in combos(1 + len(makers)):
+        args = [batched(randn(4, 5, 6), dims[0])]
+        args += [batched(m, d) for m, d in zip(makers, dims[1:])]
+        check(lambda x, *idx: aten.index.Tensor(x, pattern(*idx)), args, dims)
+
+
+@pytest.mark.parametrize("pattern", [
+    lambda x, m, i: x[m],
+    lambda x, m, i: x[:, m[0]],
+    lambda x, m, i: x[i, :, MASK3],
+    lambda x, m, i: x[:, i, MASK3],
+    lambda x, m, i: x[..., MASK3],
+])
+def test_index_unbatched_mask(pattern):
+    mask = torch.rand(4, 5) > 0.5
+    for dx, di in combos(2):
+        args = [batched(randn(4, 5, 6), dx), mask, batched(randint(4, 3), di)]
+        check(pattern, args, (dx, None, di))
+
+
+def test_index_python_sugar():
+    x = torch.randn(B, 4, 5)
+    i = torch.randint(0, 4, (B, 2))
+    check(lambda x, i: x[i, 1:], [x, i], (0, 0))
+    check(lambda x, i: x[[0, 2], i], [x, torch.randint(0, 5, (B, 2))], (0, 0))
+    check(lambda x, i: x[None, :, i], [x, torch.randint(0, 5, (3,))], (0, None))
+
+
+def test_index_batched_mask_raises():
+    x, m = torch.randn(B, 4), torch.rand(B, 4) > 0.5
+    check_raises(lambda x, m: x[m], [x, m], (0, 0), match="dynamic shape")
+    check_raises(lambda x, m: x[m], [x[0], m], (None, 0), match="dynamic shape")
+
+
+# -- index_put ------------------------------------------------------------------------------
+
+PUT_CASES = [
+    ("i", [perm(4, 3)], lambda i: [i]),
+    ("_i", [perm(5, 2)], lambda i: [None, i]),
+    ("ij", [perm(4, 3), perm(5, 3)], lambda i, j: [i, j]),
+    ("_ij", [perm(5, 3), perm(6, 3)], lambda i, j: [None, i, j]),
+    ("i_j", [perm(4, 2), perm(6, 2)], lambda i, j: [i, None, j]),
+    ("i_2d", [lambda: torch.randperm(4).view(2, 2)], lambda i: [None, i]),
+]
+
+
+@pytest.mark.parametrize("accumulate", [False, True])
+@pytest.mark.parametrize("values_rank", ["full", "last", "scalar"])
+@pytest.mark.parametrize("name,makers,pattern", PUT_CASES, ids=[c[0] for c in PUT_CASES])
+def test_index_put(name, makers, pattern, values_rank, accumulate):
+    example = [m() for m in makers]
+    indexed = aten.index.Tensor(torch.randn(4, 5, 6), pattern(*example)).shape
+    vshape = {"full": indexed, "last": indexed[-1:], "scalar": ()}[values_rank]
+    for op in (aten.index_put.default, aten.index_put_.default):
+        for dims in combos(2 + len(makers)):
+            if op is aten.index_put_.default and dims[0] is None:
+                continue  # the error case, tested below
+            args = [batched(randn(4, 5, 6), dims[0]), batched(randn(*vshape), dims[1])]
+            args += [batched(m, d) for m, d in zip(makers, dims[2:])]
+
+            def fn(x, v, *idx, op=op):
+                return op(x, pattern(*idx), v, accumulate)
+
+            def ref_fn(x, v, *idx):
+                return aten.index_put.default(x, pattern(*idx), v, accumulate)
+
+            # torch.func's index_put_ rule fails on leading-None or split index lists
+            check(fn, args, dims, ref_fn=ref_fn)
+
+
+def test_index_put_duplicates_accumulate():
+    for dims in combos(3):
+        args = [batched(randn(4, 5), dims[0]), batched(randint(4, 7), dims[1]),
+                batched(randn(7, 5), dims[2])]
+        check(lambda x, i, v: x.index_put([i], v, accumulate=True), args, dims)
+
+
+def test_index_put_python_sugar():
+    mask = torch.rand(4, 5) > 0.5
+
+    def fill(x, v):
+        x[mask] = v
+        return x
+
+    for dims in [(0, None), (0, 0), (-1, 0)]:
+        check(fill, [batched(randn(4, 5), dims[0]), batched(randn(), dims[1])], dims)
+
+    def assign(x, i, v):
+        x[:, i] = v
+        return x
+
+    for dims in combos(3):
+        if dims[0] is None:
+            continue
+        args = [batched(randn(4, 5), dims[0]), batched(perm(5, 2), dims[1]),
+                batched(randn(4, 2), dims[2])]
+        check(assign, args, dims, ref_fn=lambda x, i, v: aten.index_put(x, [None, i], v))
+
+
+@pytest.mark.parametrize("op", [aten.index_put_.default, aten._index_put_impl_.default])
+def test_index_put_inplace_unbatched_self_raises(op):
+    x, i, v = torch.randn(4), torch.tensor([0, 1]), torch.randn(B, 2)
+    check_raises(lambda x, v: op(x, [i], v), [x, v], (None, 0), match="vmapped over")
+    check_raises(lambda x, i: op(x, [i], v[0]), [x, torch.randint(0, 4, (B, 2))], (None, 0))
+
+
+# -- gather / scatter -----------------------------------------------------------------------
+
+GATHER_CASES = [  # (self shape, dim, index shape)
+    ((4, 5), 0, (3, 5)),
+    ((4, 5), 1, (4, 2)),
+    ((4, 5), -1, (2, 3)),
+    ((4,), 0, ()),
+    ((), 0, ()),
+    ((), 0, (2,)),
+]
+
+
+@pytest.mark.parametrize("shape,dim,ishape", GATHER_CASES)
+def test_gather(shape, dim, ishape):
+    high = shape[dim] if shape else 1
+    for dims in combos(2):
+        args = [batched(randn(*shape), dims[0]), batched(randint(high, *ishape), dims[1])]
+        check(lambda x, i: torch.gather(x, dim, i), args, dims)
+
+
+def _unique_index(dim):
+    """Indices along ``dim`` of a (4, 5) tensor, distinct within each line: shape (3, 5)
+    for dim 0, (4, 3) for dim 1 (so plain scatter has no write races)."""
+    if dim == 0:
+        return lambda: torch.rand(4, 5).argsort(0)[:3]
+    return lambda: torch.rand(4, 5).argsort(1)[:, :3]
+
+
+SCATTER_FNS = {
+    "src": lambda x, i, s, d: x.scatter(d, i, s),
+    "value": lambda x, i, s, d: x.scatter(d, i, 2.5),
+    "src_add": lambda x, i, s, d: x.scatter(d, i, s, reduce="add"),
+    "src_multiply": lambda x, i, s, d: x.scatter(d, i, s, reduce="multiply"),
+    "value_add": lambda x, i, s, d: x.scatter(d, i, 2.0, reduce="add"),
+    "add": lambda x, i, s, d: x.scatter_add(d, i, s),
+    **{
+        f"reduce_{r}_{incl}": (
+            lambda x, i, s, d, r=r, incl=incl: x.scatter_reduce(d, i, s, r, include_self=incl)
+        )
+        for r in ("sum", "prod", "mean", "amax", "amin") for incl in (True, False)
+    },
+}
+SCATTER_INPLACE_FNS = {
+    "src_": lambda x, i, s, d: x.scatter_(d, i, s),
+    "value_": lambda x, i, s, d: x.scatter_(d, i, 2.5),
+    "reduce_": lambda x, i, s, d: x.scatter_(d, i, s, reduce="add"),
+    "value_reduce_": lambda x, i, s, d: x.scatter_(d, i, 3.0, reduce="multiply"),
+    "add_": lambda x, i, s, d: x.scatter_add_(d, i, s),
+    "reduce_mean_": lambda x, i, s, d: x.scatter_reduce_(d, i, s, "mean", include_self=False),
+}
+
+
+@pytest.mark.parametrize("dim", [0, 1, -2])
+@pytest.mark.parametrize("name", list(SCATTER_FNS) + list(SCATTER_INPLACE_FNS))
+def test_scatter(name, dim):
+    fn = SCATTER_FNS.get(name) or SCATTER_INPLACE_FNS[name]
+    sshape = (3, 5) if dim % 2 == 0 else (4, 3)
+    for dims in combos(3):
+        if name in SCATTER_INPLACE_FNS and dims[0] is None:
+            continue
+        args = [batched(randn(4, 5), dims[0]), batched(_unique_index(dim % 2), dims[1]),
+                batched(randn(*sshape), dims[2])]
+        check(lambda x, i, s: fn(x, i, s, dim), args, dims)
+
+
+def test_scatter_add_duplicates_and_scalars():
+    for dims in combos(3):
+        args = [batched(randn(4, 5), dims[0]), batched(randint(4, 6, 5), dims[1]),
+                batched(randn(6, 5), dims[2])]
+        check(lambda x, i, s: x.scatter_add(0, i, s), args, dims)
+        args = [batched(randn(), dims[0]), batched(randint(1), dims[1]),
+                batched(randn(), dims[2])]
+        check(lambda x, i, s: x.scatter_add(0, i, s), args, dims)
+
+
+@pytest.mark.parametrize("name", list(SCATTER_INPLACE_FNS))
+def test_scatter_inplace_unbatched_self_raises(name):
+    fn = SCATTER_INPLACE_FNS[name]
+    x, i, s = torch.randn(4, 5), torch.zeros(B, 1, 5, dtype=torch.long), torch.randn(B, 1, 5)
+    check_raises(lambda x, i, s: fn(x, i, s, 0), [x, i, s], (None, 0, 0), match="vmapped over")
+
+
+# -- index_select and the index_* updates ---------------------------------------------------
+
+
+@pytest.mark.parametrize("shape,dim,index", [
+    ((4, 5), 0, randint(4, 3)),
+    ((4, 5), 1, randint(5, 2)),
+    ((4, 5, 2), -2, randint(5, 6)),
+    ((4, 5), 0, lambda: torch.tensor(2)),
+    ((4,), 0, randint(4, 5)),
+    ((), 0, lambda: torch.tensor([0])),
+    ((), 0, lambda: torch.tensor(0)),
+])
+def test_index_select(shape, dim, index):
+    for dims in combos(2):
+        args = [batched(randn(*shape), dims[0]), batched(index, dims[1])]
+        # torch.func returns the whole dim for a 0-dim index (the loop keeps one row)
+        scalar_index = index().dim() == 0 and len(shape) > 0
+        check(lambda x, i: torch.index_select(x, dim, i), args, dims,
+              torch_func=not scalar_index)
+
+
+UPDATE_FNS = {
+    "add": lambda x, d, i, s: x.index_add(d, i, s),
+    "add_alpha": lambda x, d, i, s: x.index_add(d, i, s, alpha=-2.0),
+    "copy": lambda x, d, i, s: x.index_copy(d, i, s),
+    "fill": lambda x, d, i, s: x.index_fill(d, i, 7.0),
+    "fill_tensor": lambda x, d, i, s: x.index_fill(d, i, s.sum()),
+    **{
+        f"reduce_{r}_{incl}": (
+            lambda x, d, i, s, r=r, incl=incl: x.index_reduce(d, i, s, r, include_self=incl)
+        )
+        for r in ("prod", "mean", "amax", "amin") for incl in (True, False)
+    },
+}
+UPDATE_INPLACE_FNS = {
+    "add_": lambda x, d, i, s: x.index_add_(d, i, s),
+    "copy_": lambda x, d, i, s: x.index_copy_(d, i, s),
+    "fill_": lambda x, d, i, s: x.index_fill_(d, i, -1.0),
+    "fill_tensor_": lambda x, d, i, s: x.index_fill_(d, i, s.sum()),
+    "reduce_": lambda x, d, i, s: x.index_reduce_(d, i, s, "amax"),
+}
+
+
+@pytest.mark.parametrize("dim", [0, 1, -1])
+@pytest.mark.parametrize("name", list(UPDATE_FNS) + list(UPDATE_INPLACE_FNS))
+def test_index_update(name, dim):
+    fn = UPDATE_FNS.get(name) or UPDATE_INPLACE_FNS[name]
+    sshape = (3, 5) if dim == 0 else (4, 3)
+    length = 4 if dim == 0 else 5
+    for dims in combos(3):
+        if name in UPDATE_INPLACE_FNS and dims[0] is None:
+            continue
+        args = [batched(randn(4, 5), dims[0]), batched(perm(length, 3), dims[1]),
+                batched(randn(*sshape), dims[2])]
+        # torch.func fills an unbatched self with a batched value wrongly (the loop disagrees)
+        wrong = name == "fill_tensor" and dims[0] is None and dims[2] is not None
+        check(lambda x, i, s: fn(x, dim, i, s), args, dims, torch_func=not wrong)
+
+
+def test_index_update_scalars_and_duplicates():
+    for dims in combos(3):
+        # 0-dim self: one entry
+        args = [batched(randn(), dims[0]), batched(lambda: torch.tensor([0]), dims[1]),
+                batched(randn(), dims[2])]
+        check(lambda x, i, s: x.index_add(0, i, s), args, dims)
+        # 0-dim index: one entry, duplicates across examples and within with accumulation
+        args = [batched(randn(4, 5), dims[0]), batched(lambda: torch.tensor(1), dims[1]),
+                batched(randn(1, 5), dims[2])]
+        check(lambda x, i, s: x.index_add(0, i, s), args, dims)
+        args = [batched(randn(4, 5), dims[0]), batched(randint(4, 7), dims[1]),
+                batched(randn(7, 5), dims[2])]
+        check(lambda x, i, s: x.index_add(0, i, s), args, dims)
+
+
+@pytest.mark.parametrize("name", list(UPDATE_INPLACE_FNS))
+def test_index_update_inplace_unbatched_self_raises(name):
+    fn = UPDATE_INPLACE_FNS[name]
+    x, s = torch.randn(4, 5), torch.randn(B, 2, 5)
+    i = torch.tensor([0, 2])
+    if "tensor" in name or "fill" not in name:  # index_fill_ with a Scalar ignores s
+        check_raises(lambda x, i, s: fn(x, 0, i, s), [x, i, s], (None, None, 0))
+    check_raises(lambda x, i, s: fn(x, 0, i, s), [x, i.expand(B, 2), s[0]], (None, 0, None))
+
+
+# -- take / take_along_dim ------------------------------------------------------------------
+
+
+def test_take():
+    for dims in combos(2):
+        args = [batched(randn(4, 5), dims[0]), batched(lambda: torch.randint(-20, 20, (2, 3)),
+                                                        dims[1])]
+        check(torch.take, args, dims)
+        args = [batched(randn(), dims[0]), batched(lambda: torch.tensor([0, -1]), dims[1])]
+        check(torch.take, args, dims)
+
+
+def test_take_out_of_range_raises():
+    x, i = torch.randn(B, 4), torch.tensor([[0], [1], [4]])
+    with pytest.raises((RuntimeError, IndexError)):
+        run_ours(torch.take, [x, i], (0, 0))
+
+
+@pytest.mark.parametrize("dim", [None, 0, 1])
+def test_take_along_dim(dim):
+    ishape = {None: (6,), 0: (2, 5), 1: (4, 2)}[dim]
+    for dims in combos(2):
+        args = [batched(randn(4, 5), dims[0]), batched(randint(4, *ishape), dims[1])]
+        check(lambda x, i: torch.take_along_dim(x, i, dim), args, dims)
+
+
+# -- masked_fill / where / masked_select / nonzero ------------------------------------------
+
+
+@pytest.mark.parametrize("mshape", [(4, 5), (5,), ()])
+def test_masked_fill(mshape):
+    mask = lambda: torch.rand(mshape) > 0.5  # noqa: E731
+    for dims in combos(3):
+        args = [batched(randn(4, 5), dims[0]), batched(mask, dims[1]), batched(randn(), dims[2])]
+        check(lambda x, m, v: x.masked_fill(m, v), args, dims)
+        check(lambda x, m, v: x.masked_fill(m, 3.0), args, dims)
+        if dims[0] is not None:
+            check(lambda x, m, v: x.masked_fill_(m, v), args, dims)
+            check(lambda x, m, v: x.masked_fill_(m, -1.0), args, dims)
+
+
+def test_masked_fill_mask_bigger_than_self():
+    for dims in combos(3):
+        args = [batched(randn(5), dims[0]), batched(lambda: torch.rand(4, 5) > 0.5, dims[1]),
+                batched(randn(), dims[2])]
+        check(lambda x, m, v: x.masked_fill(m, v), args, dims)
+
+
+def test_masked_fill_inplace_unbatched_self_raises():
+    x, m, v = torch.randn(4), torch.rand(B, 4) > 0.5, torch.randn(B)
+    check_raises(lambda x, m: x.masked_fill_(m, 1.0), [x, m], (None, 0), match="vmapped over")
+    check_raises(lambda x, v: x.masked_fill_(m[0], v), [x, v], (None, 0), match="vmapped over")
+
+
+def test_where():
+    shapes = [(4, 5), (5,), ()]
+    for sc, sx, sy in itertools.product(shapes, repeat=3):
+        for dims in combos(3):
+            args = [batched(lambda sc=sc: torch.rand(sc) > 0.5, dims[0]),
+                    batched(randn(*sx), dims[1]), batched(randn(*sy), dims[2])]
+            check(torch.where, args, dims)
+    for dims in combos(2):
+        args = [batched(lambda: torch.rand(4, 5) > 0.5, dims[0]), batched(randn(5), dims[1])]
+        check(lambda c, x: torch.where(c, x, 0.0), args, dims)
+        check(lambda c, x: torch.where(c, 1.0, x), args, dims)
+
+
+def test_masked_select_shared_mask():
+    for shape, mshape in [((4, 5), (4, 5)), ((4, 5), (5,)), ((5,), (4, 5))]:
+        mask = torch.rand(mshape) > 0.5
+        for d in (0, -1):
+            check(torch.masked_select, [batched(randn(*shape), d), mask], (d, None))
+
+
+def test_masked_select_batched_mask_raises():
+    x, m = torch.randn(B, 4), torch.rand(B, 4) > 0.5
+    check_raises(torch.masked_select, [x, m], (0, 0), match="mask")
+    check_raises(torch.masked_select, [x[0], m], (None, 0), match="mask")
+
+
+@pytest.mark.parametrize("shape,mshape", [((4, 5), (4, 5)), ((4, 5), (5,)), ((5,), (4, 5))])
+def test_masked_scatter(shape, mshape):
+    for dims in combos(3):
+        args = [batched(randn(*shape), dims[0]), batched(lambda: torch.rand(mshape) > 0.5, dims[1]),
+                batched(randn(4, 6), dims[2])]
+        check(lambda x, m, s: x.masked_scatter(m, s), args, dims)
+        if dims[0] is not None and len(shape) == 2:
+            check(lambda x, m, s: x.masked_scatter_(m, s), args, dims)
+    check_raises(lambda x, m, s: x.masked_scatter_(m, s),
+                 [torch.randn(4, 5), torch.rand(B, 4, 5) > 0.5, torch.randn(20)], (None, 0, None),
+                 match="vmapped over")
+
+
+def test_nonzero_raises():
+    x = torch.randn(B, 4)
+    check_raises(torch.nonzero, [x], (0,), match="dynamic shape")
+    with pytest.raises(RuntimeError, match="dynamic shape"):  # torch.func does not raise
+        run_ours(torch.argwhere, [x], (0,))
+    check_raises(lambda x: x.nonzero(as_tuple=True)[0], [x], (0,), match="dynamic shape")
+
+
+# -- embedding ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("padding_idx", [None, 2])
+def test_embedding(padding_idx):
+    for dims in combos(2):
+        args = [batched(randint(10, 2, 3), dims[0]), batched(randn(10, 4), dims[1])]
+        check(lambda i, w: torch.nn.functional.embedding(i, w, padding_idx), args, dims)
+
+
+@pytest.mark.parametrize("padding_idx", [-1, 2])
+@pytest.mark.parametrize("scale", [False, True])
+def test_embedding_dense_backward(padding_idx, scale):
+    for dims in combos(2):
+        args = [batched(randn(2, 3, 4), dims[0]), batched(randint(10, 2, 3), dims[1])]
+        check(lambda g, i: aten.embedding_dense_backward(g, i, 10, padding_idx, scale), args,
+              dims)
+
+
+@pytest.mark.parametrize("padding_idx", [None, 2])
+def test_embedding_grad_through_vmap(padding_idx):
+    """grad outside vmap: the padding row gets no gradient in any example."""
+    indices = torch.randint(0, 10, (B, 2, 3))
+    indices[:, 0, 0] = 2
+    weight, cot = torch.randn(B, 10, 4), torch.randn(B, 2, 3, 4)
+
+    def embed(i, w):
+        return torch.nn.functional.embedding(i, w, padding_idx)
+
+    def weight_grad(vm):
+        w = weight.clone().requires_grad_()
+        return torch.autograd.grad(vm(embed)(indices, w), w, cot)[0]
+
+    ours = weight_grad(torchlevels.vmap)
+    assert_close(ours, weight_grad(lambda f: lambda i, w: _loop(f, [i, w], (0, 0))))
+    if padding_idx is None:  # torch.func lets the padding row of examples 1.. get gradient
+        assert_close(ours, weight_grad(torch.func.vmap))
+
+
+# -- gradients through vmap -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fn", [
+    lambda x, s, i: x[i] * s[:2].sum(),
+    lambda x, s, i: x.index_put([i], s[:2], accumulate=True),
+    lambda x, s, i: x.gather(0, i),
+    lambda x, s, i: x.scatter_add(0, i, s[:2]),
+    lambda x, s, i: x.index_add(0, i, s[:2]),
+    lambda x, s, i: x.index_select(0, i) * s[0],
+])
+def test_grad_through_vmap(fn):
+    x, s, i = torch.randn(B, 4), torch.randn(B, 4), torch.randint(0, 4, (B, 2))
+    grads = []
+    for vm in (torchlevels.vmap, torch.func.vmap):
+        xs, ss = x.clone().requires_grad_(), s.clone().requires_grad_()
+        out = vm(fn)(xs, ss, i)
+        grads.append(torch.autograd.grad(out, (xs, ss), torch.ones_like(out),
+                                         allow_unused=True))
+    for ours, ref in zip(*grads):
+        assert_close(ours, ref)
+
+
+
+@pytest.mark.parametrize("inner_dims", [(0, 0), (None, 0), (0, None)])
+def test_nested_vmap(inner_dims):
+    """Rules running on tensors of an enclosing level (two vmaps, batch dims apart)."""
+
+    def f(x, i):
+        rows = x[i] + x.index_select(0, i) + x.gather(0, i[:, None].expand(3, 6))
+        return rows + torch.zeros(6, 6).index_add(0, i, x[:3])[:3] + x[:, i].T
+
+    xs = torch.randn((2, 3, 6, 6) if inner_dims[0] is not None else (2, 6, 6))
+    ii = torch.randint(0, 6, (3, 2, 3) if inner_dims[1] is not None else (2, 3))
+    outer_dims = (0, 1 if inner_dims[1] is not None else 0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ours = torchlevels.vmap(torchlevels.vmap(f, inner_dims), outer_dims)(xs, ii)
+    assert not [w for w in caught if "no batching rule" in str(w.message)]
+    ref = torch.func.vmap(torch.func.vmap(f, inner_dims), outer_dims)(xs, ii)
+    assert_close(ours, ref)
+    inner = torch.func.vmap(f, inner_dims)  # one level checked by the tests above
+    assert_close(ours, torch.stack([inner(xs[b], ii.select(outer_dims[1], b)) for b in range(2)]))
