@@ -241,3 +241,10 @@ def test_common_ops_do_not_use_the_slow_loop():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         same(f, torch.randn(4, 3, 5), torch.randn(5, 6), in_dims=(0, None))
+
+
+def test_data_dependent_output_shape_errors_clearly():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the slow-loop warning
+        with pytest.raises(RuntimeError, match="depends on the data"):
+            vmap(torch.unique)(torch.tensor([[1, 1, 2], [1, 2, 3]]))

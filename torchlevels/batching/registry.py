@@ -126,9 +126,13 @@ def _decomposition(func: OpOverload) -> Callable | None:
     decomposition = decomposition_table.get(func)
     if decomposition is not None:
         return decomposition
-    if func.has_kernel_for_dispatch_key(torch._C.DispatchKey.CompositeImplicitAutograd):
-        return func.decompose
-    return None
+    try:
+        composite = func.has_kernel_for_dispatch_key(
+            torch._C.DispatchKey.CompositeImplicitAutograd
+        )
+    except RuntimeError:  # TorchScript-only overloads (e.g. index.Tensor_hacked_twin)
+        return None
+    return func.decompose if composite else None
 
 
 def registered_ops() -> Iterable[OpOverload | OpOverloadPacket]:
@@ -150,14 +154,25 @@ def loop_rule(func: OpOverload, args: tuple, dims: tuple, kwargs: dict) -> tuple
         per_example.append(func(*sliced, **kwargs))
     first = per_example[0] if per_example else None
     if isinstance(first, torch.Tensor):
-        return torch.stack(per_example), 0
+        return _stack(func, per_example), 0
     if isinstance(first, (tuple, list)) and all(isinstance(o, torch.Tensor) for o in first):
-        outs = [torch.stack([r[i] for r in per_example]) for i in range(len(first))]
+        outs = [_stack(func, [r[i] for r in per_example]) for i in range(len(first))]
         return type(first)(outs), type(first)(0 for _ in outs)
     raise RuntimeError(
         f"vmap: {func} returned {type(first).__name__}, which cannot be batched by the "
         "per-example loop. Write a batching rule for it (see docs/writing-batching-rules.md)."
     )
+
+
+def _stack(func: OpOverload, outs: list[torch.Tensor]) -> torch.Tensor:
+    shapes = {tuple(o.shape) for o in outs}
+    if len(shapes) > 1:
+        raise RuntimeError(
+            f"vmap: {func} gives outputs of different shapes for different examples "
+            f"({sorted(shapes)[:3]}...): its output shape depends on the data, which vmap "
+            "cannot batch. Compute it outside vmap, or pad to a fixed size."
+        )
+    return torch.stack(outs)
 
 
 def _select(arg: Any, dim: Any, index: int) -> Any:
