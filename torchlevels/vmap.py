@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import TreeSpec, _broadcast_to_and_flatten, tree_flatten, tree_unflatten
 
 from torchlevels import batching  # noqa: F401  (registers the rules)
 from torchlevels._level import Level, LevelTensor, entered, new_level_class
@@ -295,8 +295,7 @@ def _flat_inputs(func, in_dims, args) -> tuple[list, list, Any, int]:
             "are trying to vmap over a function with no inputs. The latter is unsupported."
         )
     flat_args, spec = tree_flatten(args)
-    flat_dims = _broadcast_prefix(in_dims if isinstance(in_dims, tuple) else (in_dims,) * len(args),
-                                  args)
+    flat_dims = _broadcast_prefix(in_dims, spec)
     if flat_dims is None:
         raise ValueError(
             f"vmap({name}, in_dims={in_dims}, ...)(<inputs>): in_dims is not compatible with "
@@ -336,10 +335,11 @@ def _flat_inputs(func, in_dims, args) -> tuple[list, list, Any, int]:
     return flat_args, flat_dims, spec, sizes[0]
 
 
-def _broadcast_prefix(prefix: Any, tree: Any) -> list | None:
-    from torch.utils._pytree import _broadcast_to_and_flatten
-
-    return _broadcast_to_and_flatten(prefix, tree_flatten(tree)[1])
+def _broadcast_prefix(prefix: Any, spec: TreeSpec) -> list | None:
+    """``prefix`` (in_dims or out_dims) broadcast to the leaves of ``spec``, or None."""
+    if prefix is None or isinstance(prefix, int):
+        return [prefix] * spec.num_leaves
+    return _broadcast_to_and_flatten(prefix, spec)
 
 
 def _vmap_call(func, flat_args, flat_dims, spec, kwargs, out_dims, randomness, size):
@@ -347,7 +347,7 @@ def _vmap_call(func, flat_args, flat_dims, spec, kwargs, out_dims, randomness, s
         batched = [a if d is None else wrap_batched(B, a, d) for a, d in zip(flat_args, flat_dims)]
         out = func(*tree_unflatten(batched, spec), **kwargs)
         flat_out, out_spec = tree_flatten(out)
-        flat_out_dims = _broadcast_prefix(out_dims, out)
+        flat_out_dims = _broadcast_prefix(out_dims, out_spec)
         name = _name(func)
         if flat_out_dims is None:
             raise ValueError(
@@ -393,7 +393,7 @@ def _chunked_call(func, flat_args, flat_dims, spec, kwargs, out_dims, randomness
         pieces.append(_vmap_call(func, args, flat_dims, spec, kwargs, out_dims, randomness, n))
     flat_pieces = [tree_flatten(p)[0] for p in pieces]
     out_spec = tree_flatten(pieces[0])[1]
-    flat_out_dims = _broadcast_prefix(out_dims, pieces[0])
+    flat_out_dims = _broadcast_prefix(out_dims, out_spec)
     merged = [
         pieces_i[0] if d is None else torch.cat(pieces_i, dim=d)
         for pieces_i, d in zip(zip(*flat_pieces), flat_out_dims)
