@@ -152,6 +152,7 @@ POINTWISE = {
     "pow_scalar": (lambda x: x.abs().pow(1.5), [(3, 4)]),
     "comparison": (lambda x, y: (x > y) & (x > 0), [(3, 4), (3, 4)]),
     "frexp": (lambda x: torch.frexp(x), [(3, 4)]),
+    "scalar_then_tensor": (lambda s, x: s * x, [(3,), (3, 3, 3)]),
     "addcmul": (lambda x, y, z: torch.addcmul(x, y, z, value=0.5), [(3, 3), (3, 3, 3), (3, 3)]),
 }
 

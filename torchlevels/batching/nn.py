@@ -1,3 +1,367 @@
-"""Own rules for neural-network ops: convolution, pooling, norms, losses."""
+"""Own rules for neural-network ops: convolution, pooling, norms, losses, upsampling, padding.
+
+Most of these ops already take a leading N (batch) dim, so the vmap batch folds into it:
+``[B, N, C, *spatial]`` becomes ``[B*N, C, *spatial]``, the op runs once, and the result
+unfolds. A batched weight is handled by moving the batch into the channel dim and using
+groups (convolution) or per-channel statistics (batch norm), as functorch does.
+
+Declared nothing for (their ``torch._decomp`` decompositions batch with no loop):
+mse_loss, binary_cross_entropy(_with_logits) and their backwards, and the backwards of
+layer, group and batch norm.
+"""
 
 from __future__ import annotations
+
+import torch
+
+from torchlevels.batching.dims import logical_rank, materialize, to_front
+from torchlevels.batching.registry import batch_size, register
+
+aten = torch.ops.aten
+
+
+# -- folding the vmap batch into N --------------------------------------------------------
+
+
+def fold(x: torch.Tensor, bdim: int | None, size: int, full_rank: int):
+    """``x`` with its batch folded into N, and the leading shape to unfold the result with.
+
+    ``full_rank`` is the logical rank of an input that has an N dim; a logical input
+    without one (``[C, *spatial]``) just lets the vmap batch play N.
+    """
+    x = materialize(x, bdim, size)
+    if x.dim() == full_rank + 1:
+        return x.flatten(0, 1), x.shape[:2]
+    return x, x.shape[:1]
+
+
+def unfold(out, lead):
+    """Undo :func:`fold` on one output or a tuple of them; batch dims are all 0."""
+    if isinstance(out, torch.Tensor):
+        return (out.unflatten(0, lead) if len(lead) == 2 else out), 0
+    outs = tuple(o.unflatten(0, lead) if len(lead) == 2 else o for o in out)
+    return outs, tuple(0 for _ in outs)
+
+
+def spatial_rule(k: int):
+    """A rule for an op on ``[N, C, *k spatial]`` tensors whose N examples are independent.
+
+    Every tensor argument is folded into N; the op's other arguments pass through.
+    """
+
+    def rule(func, args, dims, kwargs):
+        size = batch_size(args, dims)
+        first, d = next((a, d) for a, d in zip(args, dims) if isinstance(a, torch.Tensor))
+        has_n = logical_rank(first, d) == k + 2
+        lead = None
+        phys = []
+        for a, d in zip(args, dims):
+            if isinstance(a, torch.Tensor):
+                a, lead_a = fold(a, d, size, k + 2 if has_n else k + 3)
+                lead = lead or lead_a
+            phys.append(a)
+        return unfold(func(*phys, **kwargs), lead)
+
+    return rule
+
+
+for _k, _ops in {
+    1: ["max_pool1d", "avg_pool1d", "adaptive_avg_pool1d", "adaptive_max_pool1d",
+        "reflection_pad1d", "replication_pad1d", "upsample_nearest1d",
+        "_upsample_nearest_exact1d", "upsample_linear1d", "reflection_pad1d_backward",
+        "replication_pad1d_backward"],
+    2: ["max_pool2d", "max_pool2d_with_indices", "avg_pool2d", "_adaptive_avg_pool2d",
+        "adaptive_max_pool2d", "reflection_pad2d", "replication_pad2d", "upsample_nearest2d",
+        "_upsample_nearest_exact2d", "upsample_bilinear2d", "_upsample_bilinear2d_aa",
+        "upsample_bicubic2d", "_upsample_bicubic2d_aa", "im2col",
+        "max_pool2d_with_indices_backward", "avg_pool2d_backward",
+        "_adaptive_avg_pool2d_backward", "adaptive_max_pool2d_backward",
+        "reflection_pad2d_backward", "replication_pad2d_backward"],
+    3: ["max_pool3d", "max_pool3d_with_indices", "avg_pool3d", "_adaptive_avg_pool3d",
+        "adaptive_max_pool3d", "reflection_pad3d", "replication_pad3d", "upsample_nearest3d",
+        "_upsample_nearest_exact3d", "upsample_trilinear3d",
+        "max_pool3d_with_indices_backward", "avg_pool3d_backward",
+        "_adaptive_avg_pool3d_backward", "adaptive_max_pool3d_backward",
+        "reflection_pad3d_backward", "replication_pad3d_backward"],
+}.items():
+    register(*(getattr(aten, name) for name in _ops))(spatial_rule(_k))
+
+_UPSAMPLE_BACKWARD = [
+    "upsample_nearest1d_backward", "upsample_nearest2d_backward", "upsample_nearest3d_backward",
+    "_upsample_nearest_exact1d_backward", "_upsample_nearest_exact2d_backward",
+    "_upsample_nearest_exact3d_backward", "upsample_linear1d_backward",
+    "upsample_bilinear2d_backward", "_upsample_bilinear2d_aa_backward",
+    "upsample_bicubic2d_backward", "_upsample_bicubic2d_aa_backward",
+    "upsample_trilinear3d_backward",
+]
+
+
+@register(*(getattr(aten, name) for name in _UPSAMPLE_BACKWARD))
+def upsample_backward(func, args, dims, kwargs):
+    """Fold the batch into N, of the gradient and of the recorded input size."""
+    go, output_size, input_size, *rest = args
+    size = go.shape[dims[0]]
+    go = to_front(go, dims[0]).flatten(0, 1)
+    out = func(go, output_size, [size * input_size[0], *input_size[1:]], *rest, **kwargs)
+    return out.unflatten(0, (size, -1)), 0
+
+
+# col2im's input is [N, C*k, L] or [C*k, L]: one "spatial" dim as far as folding goes.
+register(aten.col2im)(spatial_rule(1))
+
+
+@register(aten.pixel_shuffle, aten.pixel_unshuffle)
+def pixel_shuffle(func, args, dims, kwargs):
+    """Takes any number of leading dims, so the batch simply goes first."""
+    return func(to_front(args[0], dims[0]), *args[1:], **kwargs), 0
+
+
+@register(aten.constant_pad_nd.default)
+def constant_pad_nd(func, args, dims, kwargs):
+    """Pads only trailing dims, so a leading batch dim is left alone."""
+    return func(to_front(args[0], dims[0]), *args[1:], **kwargs), 0
+
+
+# -- convolution --------------------------------------------------------------------------
+
+
+def _to_groups(t: torch.Tensor, groups: int) -> torch.Tensor:
+    """``[B, O, ...]`` as ``[groups * B * O/groups, ...]``: a group's channels for all examples."""
+    return t.unflatten(1, (groups, t.shape[1] // groups)).transpose(0, 1).flatten(0, 2)
+
+
+def _from_groups(out: torch.Tensor, groups: int, size: int) -> torch.Tensor:
+    """``[N, groups * B * O/groups, ...]`` back to ``[N, B, O, ...]``."""
+    return out.unflatten(1, (groups, size, -1)).transpose(1, 2).flatten(2, 3)
+
+
+def _channel_view(t: torch.Tensor, n_dims: int, spatial: int) -> torch.Tensor:
+    """A ``[B, C]`` tensor viewed to broadcast against ``[B, *n_dims, C, *spatial]``."""
+    return t.reshape(t.shape[:1] + (1,) * n_dims + t.shape[1:] + (1,) * spatial)
+
+
+@register(aten.convolution.default)
+def convolution(func, args, dims, kwargs):
+    """Batched input: fold into N. Batched weight: the batch becomes extra output channels
+    (unbatched input) or extra groups (batched input)."""
+    x, w, bias, stride, padding, dilation, transposed, output_padding, groups = args
+    xd, wd, bd = dims[:3]
+    size = batch_size(args, dims)
+
+    def conv(x, w, b, g):
+        return func(x, w, b, stride, padding, dilation, transposed, output_padding, g)
+
+    if wd is None:
+        x, lead = fold(x, xd, size, w.dim())
+        if bd is None:
+            return unfold(conv(x, w, bias, groups), lead)
+        out, _ = unfold(conv(x, w, None, groups), lead)
+        return out + _channel_view(to_front(bias, bd), out.dim() - w.dim(), w.dim() - 2), 0
+    w = to_front(w, wd)
+    has_n = logical_rank(x, xd) == w.dim() - 1
+    b = None if bias is None else materialize(bias, bd, size)
+    if xd is None:
+        x = x if has_n else x.unsqueeze(0)
+        # transposed: [B, Cin, O/g, *k] -> [Cin, B * O/g, *k], so group j makes [B, O/g]
+        w = w.transpose(0, 1).flatten(1, 2) if transposed else _to_groups(w, groups)
+        out = conv(x, w, None if b is None else _to_groups(b, groups), groups)
+        out = _from_groups(out, groups, size)
+    else:
+        x = materialize(x, xd, size)
+        x = x if has_n else x.unsqueeze(1)
+        out = conv(x.transpose(0, 1).flatten(1, 2), w.flatten(0, 1),
+                   None if b is None else b.flatten(), groups * size)
+        out = out.unflatten(1, (size, -1))
+    return (out, 1) if has_n else (out.squeeze(0), 0)
+
+
+@register(aten.convolution_backward.default)
+def convolution_backward(func, args, dims, kwargs):
+    """Unbatched weight and no weight grad: fold into N. Otherwise examples become groups,
+    so the weight and bias gradients come out per example."""
+    go, x, w, bias_sizes, stride, padding, dilation, transposed, output_padding, groups, mask = args
+    size = batch_size(args, dims)
+    w_rank = logical_rank(w, dims[2])
+    has_n = logical_rank(x, dims[1]) == w_rank
+    rest = (stride, padding, dilation, transposed, output_padding)
+    if dims[2] is None and not mask[1]:
+        go_n, lead = fold(go, dims[0], size, w_rank)
+        x_n, _ = fold(x, dims[1], size, w_rank)
+        gi = None
+        if mask[0]:
+            gi = unfold(func(go_n, x_n, w, None, *rest, groups, [True, False, False])[0], lead)[0]
+        gb = None
+        if mask[2]:  # per example: sum over everything but the output channels
+            go = materialize(go, dims[0], size)
+            gb = go.sum([d for d in range(1, go.dim()) if d != 1 + has_n])
+        return (gi, None, gb), (0 if mask[0] else None, None, 0 if mask[2] else None)
+    go, x, w = (materialize(t, d, size) for t, d in zip(args[:3], dims[:3]))
+    if not has_n:
+        go, x = go.unsqueeze(1), x.unsqueeze(1)
+    gi, gw, gb = func(go.transpose(0, 1).flatten(1, 2), x.transpose(0, 1).flatten(1, 2),
+                      w.flatten(0, 1), None if bias_sizes is None else [size * bias_sizes[0]],
+                      *rest, groups * size, mask)
+    if gi is not None:
+        gi = gi.unflatten(1, (size, -1)) if has_n else gi.squeeze(0)
+    gw = None if gw is None else gw.unflatten(0, (size, -1))
+    gb = None if gb is None else gb.unflatten(0, (size, -1))
+    return (gi, gw, gb), (None if gi is None else int(has_n), None if gw is None else 0,
+                          None if gb is None else 0)
+
+
+# -- normalization ------------------------------------------------------------------------
+
+
+def _affine(out, w, wd, b, bd, size, view):
+    """``out * w + b`` for a batched ``w`` or ``b``; ``view`` shapes a front-batched param."""
+    if w is not None:
+        out = out * view(materialize(w, wd, size))
+    if b is not None:
+        out = out + view(materialize(b, bd, size))
+    return out
+
+
+@register(aten.native_layer_norm.default)
+def native_layer_norm(func, args, dims, kwargs):
+    """Normalizes trailing dims, so a leading batch is free; a batched weight/bias applies after."""
+    x, shape, w, b, eps = args
+    xd = None if dims[0] is None else 0
+    x = to_front(x, dims[0])
+    if dims[2] is None and dims[3] is None:
+        return func(x, shape, w, b, eps), (xd, xd, xd)
+    out, mean, rstd = func(x, shape, None, None, eps)
+    lead = (1,) * (logical_rank(x, xd) - len(shape))
+    out = _affine(out, w, dims[2], b, dims[3], batch_size(args, dims),
+                  lambda p: p.reshape(p.shape[:1] + lead + p.shape[1:]))
+    return (out, mean, rstd), (0, xd, xd)
+
+
+@register(aten.native_group_norm.default)
+def native_group_norm(func, args, dims, kwargs):
+    """Groups are per example: fold the batch into N; a batched weight/bias applies after."""
+    x, w, b, n, c, hxw, group, eps = args
+    size = batch_size(args, dims)
+    affine_batched = dims[1] is not None or dims[2] is not None
+    params = (None, None) if affine_batched else (w, b)
+    if dims[0] is None:
+        out, mean, rstd = func(x, *params, n, c, hxw, group, eps)
+        xd = None
+    else:
+        x = to_front(x, dims[0])
+        outs = func(x.flatten(0, 1), *params, size * n, c, hxw, group, eps)
+        out, mean, rstd = (t.unflatten(0, (size, n)) for t in outs)
+        xd = 0
+    if affine_batched:
+        spatial = out.dim() - 2 - (xd is not None)
+        out = _affine(out, w, dims[1], b, dims[2], size, lambda p: _channel_view(p, 1, spatial))
+    return (out, mean, rstd), (0, xd, xd)
+
+
+def _batch_norm(args, dims, training, momentum, eps):
+    """native_batch_norm on ``(x, w, b, running_mean, running_var)``, any of them batched."""
+    x, w, b, rm, rv = args
+    xd, wd, bd, md, vd = dims
+    size = batch_size(args, dims)
+    if training and rm is not None and (md is None or vd is None):
+        raise RuntimeError(
+            "vmap: batch norm in training mode would update running_mean/running_var in place "
+            "with batched statistics, but they are not batched. If you do not need eval mode, "
+            "set `track_running_stats=False` on the module (or pass running_mean=None and "
+            "running_var=None); otherwise batch the running stats too (one per example)."
+        )
+    bn = aten.native_batch_norm.default
+    params_batched = wd is not None or bd is not None
+    if not training and md is None and vd is None and xd is not None and not params_batched:
+        x, lead = fold(x, xd, size, x.dim() - 1)  # the logical x always has N
+        out, mean, invstd = bn(x, w, b, rm, rv, False, momentum, eps)
+        return (unfold(out, lead)[0], mean, invstd), (0, None, None)
+    if xd is None and md is None and vd is None:  # only the affine params batched
+        out, mean, invstd = bn(x, None, None, rm, rv, training, momentum, eps)
+        spatial = x.dim() - 2
+        out = _affine(out, w, wd, b, bd, size, lambda p: _channel_view(p, 1, spatial))
+        return (out, mean, invstd), (0, None, None)
+    # The batch joins the channels: [B, N, C, *s] -> [N, B*C, *s], one statistic per (b, c).
+    x = materialize(x, xd, size)
+    flat = [None if t is None else materialize(t, d, size).flatten().clone()
+            for t, d in zip((w, b, rm, rv), (wd, bd, md, vd))]
+    out, mean, invstd = bn(x.transpose(0, 1).flatten(1, 2), *flat, training, momentum, eps)
+    if training and rm is not None:
+        for stat, d, new in zip((rm, rv), (md, vd), flat[2:]):
+            to_front(stat, d).copy_(new.view(size, -1))
+    out = out.unflatten(1, (size, -1))
+    if not training:
+        return (out, mean, invstd), (1, None, None)
+    return (out, mean.view(size, -1), invstd.view(size, -1)), (1, 0, 0)
+
+
+@register(aten.native_batch_norm.default, aten._native_batch_norm_legit.default)
+def native_batch_norm(func, args, dims, kwargs):
+    """Eval: fold the batch into N. Training: per-example statistics via ``B*C`` channels."""
+    return _batch_norm(args[:5], dims[:5], *args[5:])
+
+
+@register(aten._native_batch_norm_legit.no_stats)
+def native_batch_norm_no_stats(func, args, dims, kwargs):
+    """``_native_batch_norm_legit`` without running stats."""
+    x, w, b, training, momentum, eps = args
+    return _batch_norm((x, w, b, None, None), (*dims[:3], None, None), training, momentum, eps)
+
+
+@register(aten._native_batch_norm_legit_no_training.default)
+def native_batch_norm_no_training(func, args, dims, kwargs):
+    """``_native_batch_norm_legit`` in eval mode."""
+    return _batch_norm(args[:5], dims[:5], False, *args[5:])
+
+
+# -- losses -------------------------------------------------------------------------------
+
+
+def _nll_setup(args, dims, size):
+    """Front-batched input and targets, the class dim, where targets count, and their weights."""
+    x, target, weight, _, ignore_index = args[:5]
+    x = materialize(x, dims[0], size)
+    target = materialize(target, dims[1], size)
+    class_dim = 1 + (x.dim() > 2)  # logical [N, C, *d]; else [C] with a 0-dim target
+    keep = target != ignore_index
+    safe = target.masked_fill(~keep, 0)
+    if weight is None:
+        w = keep.to(x.dtype)
+    elif dims[2] is None:
+        w = weight[safe] * keep
+    else:
+        w = to_front(weight, dims[2]).gather(1, safe.reshape(size, -1)).view_as(safe) * keep
+    return x, class_dim, keep, safe.unsqueeze(class_dim), w
+
+
+@register(aten.nll_loss_forward.default, aten.nll_loss2d_forward.default)
+def nll_loss_forward(func, args, dims, kwargs):
+    """Per example: gather -log p of each target class, weigh it, reduce that example's."""
+    reduction = args[3]
+    size = batch_size(args, dims)
+    x, class_dim, keep, index, w = _nll_setup(args, dims, size)
+    loss = (-x.gather(class_dim, index).squeeze(class_dim) * w).masked_fill(~keep, 0)
+    if class_dim == 1:  # a single target per example
+        total = w
+    else:
+        total = w.flatten(1).sum(1)
+        if reduction == 0:  # the op returns a 0-dim zero total weight here
+            return (loss, x.new_zeros(())), (0, None)
+        loss = loss.flatten(1).sum(1)
+    if reduction == 1:
+        loss = loss / total
+    return (loss, total), (0, 0)
+
+
+@register(aten.nll_loss_backward.default, aten.nll_loss2d_backward.default)
+def nll_loss_backward(func, args, dims, kwargs):
+    """Scatter ``-weight * grad`` (over the total weight for "mean") to the target classes."""
+    go, reduction, total = args[0], args[4], args[6]
+    size = batch_size(args, dims)
+    x, class_dim, keep, index, w = _nll_setup(args[1:6], dims[1:6], size)
+    go = materialize(go, dims[0], size)
+    if reduction != 0:  # one gradient per example
+        go = go.reshape((size,) + (1,) * (w.dim() - 1))
+    if reduction == 1:
+        go = go / materialize(total, dims[6], size).reshape(go.shape)
+    grad = torch.zeros_like(x).scatter(class_dim, index, (-w * go).unsqueeze(class_dim))
+    return grad, 0

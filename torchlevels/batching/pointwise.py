@@ -19,25 +19,23 @@ DEFAULT_PROMOTION = ELEMENTWISE_TYPE_PROMOTION_KIND.DEFAULT
 
 def pointwise_rule(func, args, dims, kwargs):
     """Batch any op whose outputs are elementwise functions of broadcast inputs."""
-    rank = 0
+    batched_rank = -1  # logical rank of the batched tensors, if they all agree
+    rank = 0  # the largest logical rank of any tensor argument
     fast = True
     scalar_batched = False
     dtypes = set()
     for a, d in zip(args, dims):
         if isinstance(a, torch.Tensor):
             r = a.dim() - (d is not None)
-            if r > rank:
-                if d is None or rank:
-                    fast = False
-                rank = r
-            elif d is not None and r < rank:
-                fast = False
+            rank = max(rank, r)
             if d is not None:
-                fast = fast and d == 0
+                fast = fast and d == 0 and batched_rank in (-1, r)
+                batched_rank = r
                 scalar_batched = scalar_batched or r == 0
             dtypes.add(a.dtype)
         elif d is not None:
             raise NotImplementedError(f"vmap: {func} got a batched list; no pointwise rule for it")
+    fast = fast and rank == batched_rank  # no unbatched tensor outranks the batched ones
     if dims[0] is None and (torch.Tag.inplace in func.tags or func is aten.copy_.default):
         raise_inplace_unbatched_self(func)
     promote = scalar_batched and len(dtypes) > 1
@@ -89,6 +87,13 @@ def _is_pointwise(func) -> bool:
 
 register_family("pointwise", _is_pointwise, pointwise_rule)
 register(aten.copy_.default)(pointwise_rule)
+
+
+@register(aten.new_empty, aten.new_zeros, aten.new_ones, aten.new_full)
+def new_factory(func, args, dims, kwargs):
+    """``x.new_zeros(size)`` with a batched ``x`` is batched (later writes may be batched)."""
+    x, size, *rest = args
+    return func(x, [x.shape[dims[0]], *size], *rest, **kwargs), 0
 
 
 @register(

@@ -1,0 +1,518 @@
+"""Neural-network op rules (torchlevels/batching/nn.py) against torch.func.vmap and a loop.
+
+Every check runs the same function three ways on the same inputs: torchlevels' vmap,
+torch.func.vmap, and a Python loop over examples stacked with torch.stack. It also fails
+if the slow per-example loop fallback ran for any op.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._pytree import tree_flatten
+
+from torchlevels import vmap
+from torchlevels.batching import registry
+
+aten = torch.ops.aten
+B = 3
+
+
+@pytest.fixture(autouse=True)
+def _fresh_warnings():
+    registry._warned.clear()  # the loop warns once per op and process: re-arm it
+    torch.manual_seed(0)
+    yield
+
+
+def _loop(f, args, in_dims):
+    size = next(a.shape[d] for a, d in zip(args, in_dims) if d is not None)
+    outs = [f(*(a if d is None else a.select(d, i) for a, d in zip(args, in_dims)))
+            for i in range(size)]
+    flat = [tree_flatten(o)[0] for o in outs]
+    stacked = [torch.stack(parts) for parts in zip(*flat)]
+    return tree_flatten(outs[0])[1].unflatten(stacked) if stacked else outs[0]
+
+
+def check(f, *args, in_dims=0, atol=1e-5, rtol=1e-4):
+    """Assert vmap(f) == torch.func.vmap(f) == loop over examples, with no slow loop."""
+    dims = in_dims if isinstance(in_dims, tuple) else (in_dims,) * len(args)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = vmap(f, in_dims=dims)(*args)
+    slow = [str(w.message) for w in caught if "no batching rule" in str(w.message)]
+    assert not slow, slow
+    expected = torch.func.vmap(f, in_dims=dims)(*args)
+    looped = _loop(f, args, dims)
+    for g, e, lp in zip(tree_flatten(got)[0], tree_flatten(expected)[0], tree_flatten(looped)[0]):
+        assert type(g) is torch.Tensor, type(g)
+        torch.testing.assert_close(g, e, atol=atol, rtol=rtol, equal_nan=True)
+        torch.testing.assert_close(g, lp, atol=atol, rtol=rtol, equal_nan=True)
+    return got
+
+
+def batched(t, dim=0):
+    """A batch of B copies-with-noise of ``t``'s shape, the batch at ``dim``."""
+    return torch.randn(t.shape[:dim] + (B,) + t.shape[dim:], dtype=t.dtype)
+
+
+def maybe(t, is_batched, dim=0):
+    """(argument, in_dim): ``t`` as is, or a batch of tensors like it at ``dim``."""
+    return (batched(t, dim), dim) if is_batched else (t, None)
+
+
+# -- convolution --------------------------------------------------------------------------
+
+CONVS = [  # (function, input shape without N, weight shape, kwargs)
+    (F.conv1d, (4, 9), (6, 4, 3), {}),
+    (F.conv1d, (4, 9), (6, 2, 3), {"groups": 2, "stride": 2, "padding": 1}),
+    (F.conv2d, (4, 7, 6), (6, 4, 3, 2), {"dilation": 2, "padding": (1, 2)}),
+    (F.conv2d, (4, 7, 6), (8, 1, 3, 3), {"groups": 4, "stride": (2, 1)}),
+    (F.conv3d, (2, 5, 4, 4), (4, 1, 2, 2, 2), {"groups": 2}),
+    (F.conv_transpose1d, (4, 6), (4, 3, 3), {"stride": 2, "output_padding": 1}),
+    (F.conv_transpose2d, (4, 5, 5), (4, 3, 3, 3), {"groups": 2, "padding": 1}),
+    (F.conv_transpose3d, (2, 3, 3, 3), (2, 2, 2, 2, 2), {"stride": 2}),
+]
+
+
+@pytest.mark.parametrize("conv, xs, ws, kw", CONVS)
+@pytest.mark.parametrize("xb, wb", [(True, False), (False, True), (True, True)])
+@pytest.mark.parametrize("bias", ["none", "unbatched", "batched"])
+@pytest.mark.parametrize("has_n", [True, False])
+@pytest.mark.parametrize("dim", [0, 1])
+def test_convolution(conv, xs, ws, kw, xb, wb, bias, has_n, dim):
+    x, xd = maybe(torch.randn(((2,) if has_n else ()) + xs), xb, dim)
+    w, wd = maybe(torch.randn(ws), wb, dim)
+    transposed = conv.__name__.startswith("conv_transpose")
+    out_channels = ws[1] * kw.get("groups", 1) if transposed else ws[0]
+    b, bd = maybe(torch.randn(out_channels), bias == "batched")
+    if bias == "none":
+        check(lambda x, w: conv(x, w, **kw), x, w, in_dims=(xd, wd))
+    else:
+        check(lambda x, w, b: conv(x, w, b, **kw), x, w, b, in_dims=(xd, wd, bd))
+
+
+@pytest.mark.parametrize("conv, xs, ws, kw", CONVS)
+@pytest.mark.parametrize("batched_args", [(0, 1), (0, 1, 2), (0, 2), (1,), (2,)])
+@pytest.mark.parametrize("mask", [(True, True, True), (True, False, False),
+                                  (False, True, True), (True, False, True)])
+def test_convolution_backward(conv, xs, ws, kw, batched_args, mask):
+    transposed = conv.__name__.startswith("conv_transpose")
+    x, w = torch.randn((2,) + xs), torch.randn(ws)
+    go = conv(x, w, **kw)
+    go = torch.randn_like(go)
+    out_channels = go.shape[1]
+    rest = (kw.get("stride", 1), kw.get("padding", 0), kw.get("dilation", 1))
+    rest = tuple([r] * (w.dim() - 2) if isinstance(r, int) else list(r) for r in rest)
+    output_padding = [kw.get("output_padding", 0)] * (w.dim() - 2)
+
+    def f(go, x, w):
+        return aten.convolution_backward(go, x, w, [out_channels], *rest, transposed,
+                                         output_padding, kw.get("groups", 1), list(mask))
+
+    args = [go, x, w]
+    dims = [None, None, None]
+    for i in batched_args:
+        args[i], dims[i] = maybe(args[i], True, 1 if i == 1 else 0)
+    # by the mask: unbatched, the CPU kernel can return a (meaningless) masked-out output
+    check(lambda *a: tuple(o for o, m in zip(f(*a), mask) if m), *args, in_dims=tuple(dims),
+          atol=1e-4)
+
+
+def test_convolution_autograd_through_vmap():
+    x = torch.randn(B, 2, 3, 6, 6, requires_grad=True)
+    w = torch.randn(B, 4, 3, 3, 3, requires_grad=True)
+    out = vmap(F.conv2d)(x, w)
+    gx, gw = torch.autograd.grad(out.square().sum(), (x, w))
+    x2, w2 = x.detach().requires_grad_(), w.detach().requires_grad_()
+    ref = torch.stack([F.conv2d(a, b) for a, b in zip(x2, w2)])
+    rx, rw = torch.autograd.grad(ref.square().sum(), (x2, w2))
+    torch.testing.assert_close(gx, rx, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(gw, rw, atol=1e-4, rtol=1e-4)
+
+
+# -- pooling ------------------------------------------------------------------------------
+
+POOLS = [
+    (lambda x: F.max_pool1d(x, 2), 1),
+    (lambda x: F.max_pool1d(x, 3, 2, 1, ceil_mode=True, return_indices=True), 1),
+    (lambda x: F.max_pool2d(x, 2), 2),
+    (lambda x: F.max_pool2d(x, (3, 2), 2, 1, dilation=(1, 2), return_indices=True), 2),
+    (lambda x: F.max_pool3d(x, 2, return_indices=True), 3),
+    (lambda x: F.avg_pool1d(x, 3, 2, 1), 1),
+    (lambda x: F.avg_pool2d(x, 3, 2, 1, ceil_mode=True, count_include_pad=False), 2),
+    (lambda x: F.avg_pool2d(x, 2, divisor_override=3), 2),
+    (lambda x: F.avg_pool3d(x, 2), 3),
+    (lambda x: F.adaptive_avg_pool1d(x, 3), 1),
+    (lambda x: F.adaptive_avg_pool2d(x, (3, 2)), 2),
+    (lambda x: F.adaptive_avg_pool3d(x, 2), 3),
+    (lambda x: F.adaptive_max_pool1d(x, 3, return_indices=True), 1),
+    (lambda x: F.adaptive_max_pool2d(x, (3, 2), return_indices=True), 2),
+    (lambda x: F.adaptive_max_pool3d(x, 2), 3),
+]
+
+
+@pytest.mark.parametrize("pool, k", POOLS)
+@pytest.mark.parametrize("has_n", [True, False])
+@pytest.mark.parametrize("dim", [0, 1, -1])
+def test_pooling(pool, k, has_n, dim):
+    x = torch.randn(((2,) if has_n else ()) + (3,) + (7, 6, 5)[:k])
+    x, _ = maybe(x, True, dim % (x.dim() + 1))
+    check(pool, x, in_dims=dim)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+@pytest.mark.parametrize("kind", ["max", "avg", "adaptive_avg", "adaptive_max"])
+@pytest.mark.parametrize("batched_args", [(0,), (1,), (0, 1)])
+def test_pooling_backward(k, kind, batched_args):
+    x = torch.randn((2, 3) + (7, 6, 5)[:k])
+    if kind in ("max", "adaptive_max"):
+        if kind == "max":
+            if k == 1:
+                pytest.skip("max_pool1d's backward is max_pool2d's")
+            out, idx = getattr(F, f"max_pool{k}d")(x, 2, return_indices=True)
+            op = getattr(aten, f"max_pool{k}d_with_indices_backward")
+
+            def f(go, x):
+                return op(go, x, [2] * k, [2] * k, [0] * k, [1] * k, False, idx)
+        else:
+            out, idx = getattr(F, f"adaptive_max_pool{k}d")(x, 3, return_indices=True)
+            if k == 1:
+                pytest.skip("adaptive_max_pool1d has no backward op of its own")
+            op = getattr(aten, f"adaptive_max_pool{k}d_backward")
+
+            def f(go, x):
+                return op(go, x, idx)
+    elif kind == "avg":
+        if k == 1:
+            pytest.skip("avg_pool1d has no backward op of its own")
+        out = getattr(F, f"avg_pool{k}d")(x, 2)
+        op = getattr(aten, f"avg_pool{k}d_backward")
+
+        def f(go, x):
+            return op(go, x, [2] * k, [2] * k, [0] * k, False, True, None)
+    else:
+        if k == 1:
+            pytest.skip("adaptive_avg_pool1d has no backward op of its own")
+        out = getattr(F, f"adaptive_avg_pool{k}d")(x, 3)
+        op = getattr(aten, f"_adaptive_avg_pool{k}d_backward")
+
+        def f(go, x):
+            return op(go, x)
+    args, dims = [torch.randn_like(out), x], [None, None]
+    for i in batched_args:
+        args[i], dims[i] = maybe(args[i], True, 1)
+    check(f, *args, in_dims=tuple(dims))
+
+
+# -- normalization ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("xb, wb, bb", [(True, False, False), (True, True, False),
+                                        (True, False, True), (False, True, True),
+                                        (True, None, None), (True, True, None)])
+@pytest.mark.parametrize("dim", [0, 2])
+def test_layer_norm(xb, wb, bb, dim):
+    x, xd = maybe(torch.randn(2, 4, 5), xb, dim)
+    w, wd = (None, None) if wb is None else maybe(torch.randn(4, 5), wb, 1)
+    b, bd = (None, None) if bb is None else maybe(torch.randn(4, 5), bb)
+    check(lambda x, w, b: F.layer_norm(x, (4, 5), w, b), x, w, b, in_dims=(xd, wd, bd))
+    check(lambda x, w, b: aten.native_layer_norm(x, [5], None if w is None else w[0],
+                                                 None if b is None else b[0], 1e-5),
+          x, w, b, in_dims=(xd, wd, bd))
+
+
+@pytest.mark.parametrize("xb, wb, bb", [(True, False, False), (True, True, True),
+                                        (True, None, False), (False, True, False),
+                                        (False, None, True)])
+@pytest.mark.parametrize("dim", [0, 1])
+def test_group_norm(xb, wb, bb, dim):
+    x, xd = maybe(torch.randn(2, 6, 4, 3), xb, dim)
+    w, wd = (None, None) if wb is None else maybe(torch.randn(6), wb)
+    b, bd = maybe(torch.randn(6), bb)
+    check(lambda x, w, b: F.group_norm(x, 3, w, b), x, w, b, in_dims=(xd, wd, bd))
+    check(lambda x, w, b: aten.native_group_norm(x.contiguous(), w, b, 2, 6, 12, 2, 1e-5),
+          x, w, b, in_dims=(xd, wd, bd))
+
+
+BN_CASES = [  # which of (x, weight, bias, running_mean, running_var) are batched
+    (True, False, False, False, False), (True, True, True, False, False),
+    (True, False, False, True, True), (False, True, False, False, False),
+    (False, False, False, True, True), (True, True, False, True, False),
+]
+
+
+@pytest.mark.parametrize("batched_args", BN_CASES)
+@pytest.mark.parametrize("spatial", [(), (4, 3)])
+def test_batch_norm_eval(batched_args, spatial):
+    shapes = [(4, 5) + spatial, (5,), (5,), (5,), (5,)]
+    args, dims = [], []
+    for shape, b in zip(shapes, batched_args):
+        a, d = maybe(torch.randn(shape), b)
+        args.append(a), dims.append(d)
+    args[4] = args[4].abs() + 0.5  # running_var > 0
+
+    def f(x, w, b, rm, rv):
+        return F.batch_norm(x, rm, rv, w, b, training=False)
+
+    check(f, *args, in_dims=tuple(dims))
+    check(lambda x, w, b, rm, rv: aten._native_batch_norm_legit_no_training(
+        x, w, b, rm, rv, 0.1, 1e-5)[0], *args, in_dims=tuple(dims))
+
+
+@pytest.mark.parametrize("batched_args", [(True, False, False), (True, True, True),
+                                          (False, True, False), (True, False, True)])
+@pytest.mark.parametrize("dim", [0, 1])
+def test_batch_norm_training_without_running_stats(batched_args, dim):
+    args, dims = [], []
+    for shape, b in zip([(4, 5, 3), (5,), (5,)], batched_args):
+        a, d = maybe(torch.randn(shape), b, dim if len(shape) > 1 else 0)
+        args.append(a), dims.append(d)
+    check(lambda x, w, b: F.batch_norm(x, None, None, w, b, training=True), *args,
+          in_dims=tuple(dims))
+    check(lambda x, w, b: aten.native_batch_norm(x, w, b, None, None, True, 0.1, 1e-5),
+          *args, in_dims=tuple(dims))
+    check(lambda x, w, b: aten._native_batch_norm_legit.no_stats(x, w, b, True, 0.1, 1e-5),
+          *args, in_dims=tuple(dims))
+
+
+def test_batch_norm_training_updates_batched_running_stats():
+    x = torch.randn(B, 4, 5, 3)
+    rm0, rv0 = torch.randn(B, 5), torch.rand(B, 5) + 0.5
+
+    def run(vmapper):
+        rm, rv = rm0.t().clone().t(), rv0.clone()  # batch dims 1 and 0 of the stats
+        out = vmapper(lambda x, rm, rv: F.batch_norm(x, rm, rv, training=True),
+                      in_dims=(0, 1, 0))(x, rm.t(), rv)
+        return out, rm, rv
+
+    got, expected = run(vmap), run(torch.func.vmap)
+    rm, rv = rm0.clone(), rv0.clone()
+    looped = torch.stack([F.batch_norm(x[i], rm[i], rv[i], training=True) for i in range(B)])
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e)
+    torch.testing.assert_close(got[0], looped)
+    torch.testing.assert_close(got[1], rm)
+    torch.testing.assert_close(got[2], rv)
+
+
+def test_batch_norm_training_with_unbatched_running_stats_errors():
+    x = torch.randn(B, 4, 5)
+    rm, rv = torch.zeros(5), torch.ones(5)
+    with pytest.raises(RuntimeError, match="track_running_stats=False"):
+        vmap(lambda x: F.batch_norm(x, rm, rv, training=True))(x)
+    torch.testing.assert_close(rm, torch.zeros(5))  # left untouched
+
+
+def test_norm_modules():
+    x = torch.randn(B, 2, 4, 5, 5)
+    for module in (torch.nn.BatchNorm2d(4, track_running_stats=False), torch.nn.GroupNorm(2, 4),
+                   torch.nn.LayerNorm([5, 5]), torch.nn.BatchNorm2d(4).eval(),
+                   torch.nn.InstanceNorm2d(4)):
+        with torch.no_grad():
+            check(module, x)
+
+
+# the backward ops of the norms are declared nothing: their decompositions batch well
+@pytest.mark.parametrize("batched_args", [(0, 1), (0,), (0, 1, 2)])
+def test_norm_backward_decompositions(batched_args):
+    x, w, b = torch.randn(2, 4, 3, 3), torch.randn(4), torch.randn(4)
+    go = torch.randn_like(x)
+    args, dims = [go, x, w], [None, None, None]
+    for i in batched_args:
+        args[i], dims[i] = maybe(args[i], True)
+    mask = [True, True, True]
+
+    def layer(go, x, w):
+        _, mean, rstd = aten.native_layer_norm(x, [3], None, None, 1e-5)
+        return aten.native_layer_norm_backward(go, x, [3], mean, rstd, w[:3], b[:3], mask)
+
+    def group(go, x, w):
+        _, mean, rstd = aten.native_group_norm(x, w, b, 2, 4, 9, 2, 1e-5)
+        return aten.native_group_norm_backward(go, x, mean, rstd, w, 2, 4, 9, 2, mask)
+
+    def batch(go, x, w):
+        _, mean, invstd = aten.native_batch_norm(x, w, b, None, None, True, 0.1, 1e-5)
+        return aten.native_batch_norm_backward(go, x, w, None, None, mean, invstd, True,
+                                               1e-5, mask)
+
+    for f in (layer, group, batch):
+        check(f, *args, in_dims=tuple(dims), atol=1e-4)
+
+
+# -- losses -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
+@pytest.mark.parametrize("shape", [(5,), (4, 5), (4, 5, 3, 2)])
+@pytest.mark.parametrize("xb, tb, wb", [(True, False, None), (True, True, None),
+                                        (False, True, None), (True, False, False),
+                                        (True, True, True), (False, False, True)])
+def test_nll_loss_and_cross_entropy(reduction, shape, xb, tb, wb):
+    x, xd = maybe(torch.randn(shape), xb)
+    target_shape = shape[:1] + shape[2:] if len(shape) > 1 else ()
+    t, td = torch.randint(0, 5, target_shape), None
+    if tb:
+        t, td = torch.randint(0, 5, (B,) + target_shape), 0
+        t[(0,) * t.dim()] = -100  # one ignored target in the first example
+    w, wd = (None, None) if wb is None else maybe(torch.rand(5) + 0.1, wb)
+    if wd is not None:
+        w = w.abs() + 0.1
+    for loss in (F.nll_loss, F.cross_entropy):
+        check(lambda x, t, w, loss=loss: loss(x, t, w, reduction=reduction), x, t, w,
+              in_dims=(xd, td, wd))
+
+
+@pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
+def test_nll_loss_ignore_index_and_label_smoothing(reduction):
+    x = torch.randn(B, 6, 5)
+    t = torch.randint(0, 5, (B, 6))
+    t[0] = 2  # every target of example 0 ignored: mean is nan, as unbatched
+    check(lambda x, t: F.nll_loss(x, t, ignore_index=2, reduction=reduction), x, t)
+    p = torch.randn(B, 6, 5).softmax(-1)
+    check(lambda x, p: F.cross_entropy(x, p, reduction=reduction), x, p)
+
+
+@pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
+def test_cross_entropy_label_smoothing(reduction):
+    x, t = torch.randn(B, 6, 5), torch.randint(0, 5, (B, 6))
+    check(lambda x, t: F.cross_entropy(x, t, label_smoothing=0.2, reduction=reduction), x, t)
+    check(lambda x, t: F.cross_entropy(x, t, label_smoothing=0.2, ignore_index=1,
+                                       reduction=reduction), x, t)
+
+
+@pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
+@pytest.mark.parametrize("xb, tb", [(True, True), (True, False), (False, True)])
+def test_pointwise_losses(reduction, xb, tb):
+    x, xd = maybe(torch.rand(4, 3), xb, 1)
+    t, td = maybe(torch.rand(4, 3), tb)
+    if xd is not None:
+        x = x.sigmoid()
+    if td is not None:
+        t = t.sigmoid()
+    w = torch.rand(3)
+    check(lambda x, t: F.mse_loss(x, t, reduction=reduction), x, t, in_dims=(xd, td))
+    check(lambda x, t: F.binary_cross_entropy(x, t, w, reduction=reduction), x, t,
+          in_dims=(xd, td))
+    check(lambda x, t: F.binary_cross_entropy_with_logits(x, t, w, reduction=reduction,
+                                                          pos_weight=w + 1), x, t,
+          in_dims=(xd, td))
+
+
+@pytest.mark.parametrize("reduction", [0, 1, 2])
+def test_loss_backward_decompositions(reduction):
+    x, t = torch.randn(B, 4, 5).log_softmax(-1), torch.randint(0, 5, (B, 4))
+    p, q = torch.rand(B, 4, 5), torch.rand(B, 4, 5)
+    go = torch.randn(B, 4) if reduction == 0 else torch.randn(B)
+    go5 = torch.randn(B, 4, 5) if reduction == 0 else torch.randn(B)
+
+    def nll(go, x, t):
+        total = aten.nll_loss_forward(x, t, None, reduction, -100)[1]
+        return aten.nll_loss_backward(go, x, t, None, reduction, -100, total)
+
+    check(nll, go, x, t)
+    t[0, 0] = 1
+    check(lambda go, x, t: aten.nll_loss_backward(go, x, t, None, reduction, 1, torch.tensor(3.)),
+          go, x, t)
+    check(lambda go, x, t, w: aten.nll_loss_backward(go, x[0], t[0], w, reduction, -100,
+                                                     torch.tensor(2.)),
+          go if reduction else go[:, 0], x, t, torch.rand(B, 5), in_dims=(0, 0, 0, 0))
+    check(lambda go, p, q: aten.mse_loss_backward(go, p, q, reduction), go5, p, q)
+    if reduction == 0:
+        check(lambda go, p, q: aten.binary_cross_entropy_backward(go, p, q, None, reduction),
+              go5, p, q)
+
+
+@pytest.mark.parametrize("reduction", [1, 2])
+def test_binary_cross_entropy_backward_reduced(reduction):
+    p, q = torch.rand(B, 4, 5), torch.rand(B, 4, 5)
+    check(lambda go, p, q: aten.binary_cross_entropy_backward(go, p, q, None, reduction),
+          torch.randn(B), p, q)
+
+
+# -- upsampling, padding, unfold, pixel shuffle -------------------------------------------
+
+
+@pytest.mark.parametrize("mode, k", [("nearest", 1), ("nearest", 2), ("nearest", 3),
+                                     ("nearest-exact", 2), ("linear", 1), ("bilinear", 2),
+                                     ("bicubic", 2), ("trilinear", 3)])
+@pytest.mark.parametrize("size", [{"scale_factor": 2}, {"scale_factor": 1.5}, {"size": 5}])
+@pytest.mark.parametrize("dim", [0, 2])
+def test_interpolate(mode, k, size, dim):
+    x, _ = maybe(torch.randn((2, 3) + (4, 3, 3)[:k]), True, dim)
+    check(lambda x: F.interpolate(x, mode=mode, **size), x, in_dims=dim)
+    if mode in ("linear", "bilinear", "bicubic", "trilinear"):
+        check(lambda x: F.interpolate(x, mode=mode, align_corners=True, **size), x,
+              in_dims=dim)
+
+
+@pytest.mark.parametrize("op, k, kw", [
+    (aten.upsample_nearest2d_backward, 2, {}),
+    (aten.upsample_bilinear2d_backward, 2, {"align_corners": False}),
+    (aten.upsample_linear1d_backward, 1, {"align_corners": True}),
+])
+def test_upsample_backward(op, k, kw):
+    go = torch.randn((B, 2, 3) + (6,) * k)
+    check(lambda go: op(go, [6] * k, [2, 3] + [3] * k, *kw.values()), go)
+
+
+@pytest.mark.parametrize("mode", ["constant", "reflect", "replicate"])
+@pytest.mark.parametrize("k", [1, 2, 3])
+@pytest.mark.parametrize("has_n", [True, False])
+@pytest.mark.parametrize("dim", [0, 1])
+def test_pad(mode, k, has_n, dim):
+    x, _ = maybe(torch.randn(((2,) if has_n else ()) + (3, 4, 5, 4)[: k + 1]), True, dim)
+    pad = (1, 2, 2, 0, 0, 1)[: 2 * k]
+    check(lambda x: F.pad(x, pad, mode=mode), x, in_dims=dim)
+    if mode == "constant":
+        check(lambda x: F.pad(x, (1, -1, 2, 2), value=3.0), x, in_dims=dim)
+
+
+def test_pad_circular():
+    check(lambda x: F.pad(x, (1, 2, 2, 0), mode="circular"), torch.randn(B, 2, 3, 4, 5))
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+@pytest.mark.parametrize("has_n", [True, False])
+def test_pad_backward(k, has_n):
+    if k == 3 and not has_n:
+        pytest.skip("reflection_pad3d_backward needs the N dim")
+    x = torch.randn(((2,) if has_n else ()) + (3, 5, 4, 4)[: k + 1])
+    pad = [1, 2, 2, 0, 0, 1][: 2 * k]
+    go = F.pad(x, pad, mode="reflect")
+    for name in (f"reflection_pad{k}d_backward", f"replication_pad{k}d_backward"):
+        op = getattr(aten, name)
+        check(lambda go, x, op=op: op(go, x, pad), batched(go), batched(x))
+
+
+@pytest.mark.parametrize("has_n", [True, False])
+@pytest.mark.parametrize("dim", [0, 1])
+def test_unfold_fold(has_n, dim):
+    x, _ = maybe(torch.randn(((2,) if has_n else ()) + (3, 6, 5)), True, dim)
+    check(lambda x: F.unfold(x, (2, 3), dilation=1, padding=1, stride=2), x, in_dims=dim)
+    check(lambda x: F.fold(F.unfold(x, 3, padding=1), (6, 5), 3, padding=1), x, in_dims=dim)
+
+
+@pytest.mark.parametrize("dim", [0, 1, 3])
+def test_pixel_shuffle(dim):
+    x, _ = maybe(torch.randn(2, 8, 4, 6), True, dim)
+    check(lambda x: F.pixel_shuffle(x, 2), x, in_dims=dim)
+    check(lambda x: F.pixel_unshuffle(x, 2), x, in_dims=dim)
+    check(lambda x: F.pixel_shuffle(x[0], 2), x, in_dims=dim)
+
+
+# -- a whole network -----------------------------------------------------------------------
+
+
+def test_small_cnn_matches():
+    net = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8).eval(), torch.nn.ReLU(),
+        torch.nn.MaxPool2d(2), torch.nn.Conv2d(8, 16, 3), torch.nn.GroupNorm(4, 16),
+        torch.nn.AdaptiveAvgPool2d(2), torch.nn.Flatten(), torch.nn.Linear(64, 10),
+    )
+    x, t = torch.randn(B, 4, 3, 12, 12), torch.randint(0, 10, (B, 4))
+    with torch.no_grad():
+        check(lambda x, t: F.cross_entropy(net(x), t), x, t)
