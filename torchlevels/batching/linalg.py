@@ -1,3 +1,188 @@
-"""Own rules for linear algebra, mostly the family of ops that already take leading batch dims."""
+"""Own rules for linear algebra, mostly the family of ops that already take leading batch dims.
+
+Most torch.linalg functions are composite and reach vmap as a handful of ops
+(``linalg_inv_ex``, ``_linalg_solve_ex``, ``_linalg_svd``, ...) that accept ``(*, n, n)``
+inputs. For those the batch dim just goes first: :func:`leading_batch_dims` declares
+them, given the core rank of each tensor argument (2 for a matrix, 1 for a vector).
+"""
 
 from __future__ import annotations
+
+import functools
+
+import torch
+
+from torchlevels.batching.dims import (
+    logical_rank,
+    logical_shape,
+    materialize,
+    pad_to_rank,
+    to_front,
+    wrap_dim,
+)
+from torchlevels.batching.registry import batch_size, register
+
+aten = torch.ops.aten
+
+
+def out_dims(out, size):
+    """Batch dims of outputs computed with the batch first; empty placeholders are unbatched."""
+    if isinstance(out, torch.Tensor):
+        return None if out.shape == (0,) and size != 0 else 0
+    return tuple(out_dims(o, size) for o in out)
+
+
+def check_ranks(func, args, dims, cores, kwargs) -> None:
+    """Raise torch's own error if a logical operand has fewer dims than its core rank."""
+    tensors = [(a, d) for a, d in zip(args, dims) if isinstance(a, torch.Tensor)]
+    if all(logical_rank(a, d) >= core for (a, d), core in zip(tensors, cores)):
+        return
+    meta = [torch.empty(logical_shape(a, d), dtype=a.dtype, device="meta")
+            if isinstance(a, torch.Tensor) else a for a, d in zip(args, dims)]
+    try:
+        func(*meta, **kwargs)
+    except Exception as e:  # some meta kernels raise AssertionError: keep torch's type
+        raise RuntimeError(str(e)) from None
+    raise RuntimeError(f"{func}: expected inputs with at least {cores} dims")
+
+
+def batch_first(func, args, dims, kwargs, cores, equal=False):
+    """Run ``func`` with every batched tensor argument's batch dim first.
+
+    ``cores`` are the core ranks of the tensor arguments in order. Batched tensors get
+    size-1 dims after the batch dim so that all share one number of batch dims, and
+    unbatched ones then broadcast against them; with ``equal`` (ops that need equal
+    batch shapes, or whose outputs come from only some inputs) they are expanded too.
+    """
+    check_ranks(func, args, dims, cores, kwargs)
+    size = batch_size(args, dims)
+    tensors = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+    batch_rank = max(logical_rank(args[i], dims[i]) - c for i, c in zip(tensors, cores))
+    phys = list(args)
+    for i, core in zip(tensors, cores):
+        if dims[i] is not None or equal:
+            phys[i] = pad_to_rank(materialize(args[i], dims[i], size), batch_rank + core)
+    out = func(*phys, **kwargs)
+    return out, out_dims(out, size)
+
+
+def leading_batch_dims(*ops, cores=(2,), equal=False) -> None:
+    """Declare ``ops`` as taking leading batch dims on tensor arguments of rank ``cores``."""
+    register(*ops)(functools.partial(_leading_batch_dims_rule, cores=cores, equal=equal))
+
+
+def _leading_batch_dims_rule(func, args, dims, kwargs, cores, equal):
+    return batch_first(func, args, dims, kwargs, cores, equal)
+
+
+# One matrix in, any number of (*, ...) outputs out.
+leading_batch_dims(
+    aten.linalg_inv_ex.default, aten.linalg_cholesky_ex.default, aten.cholesky.default,
+    aten._linalg_det.default, aten._linalg_slogdet.default, aten.linalg_lu_factor_ex.default,
+    aten.linalg_lu.default, aten.linalg_qr.default, aten._linalg_eigh.default,
+    aten.linalg_eig.default, aten._linalg_svd.default, aten.cholesky_inverse.default,
+    aten.linalg_pinv.atol_rtol_tensor, aten.geqrf.default,
+    aten.linalg_ldl_factor_ex.default, aten.tril.default, aten.triu.default,
+)
+# Several inputs whose batch shapes broadcast, one output.
+leading_batch_dims(aten.cholesky_solve.default, aten.linalg_solve_triangular.default,
+                   cores=(2, 2))
+leading_batch_dims(aten.linalg_pinv.rcond_tensor, cores=(2, 0))
+# Several inputs, outputs that need the full batch or inputs that need equal batch shapes.
+leading_batch_dims(aten.triangular_solve.default, cores=(2, 2), equal=True)
+leading_batch_dims(aten.linalg_householder_product.default, cores=(2, 1), equal=True)
+leading_batch_dims(aten.ormqr.default, cores=(2, 1, 2), equal=True)
+leading_batch_dims(aten.linalg_lu_solve.default, aten.linalg_ldl_solve.default,
+                   cores=(2, 1, 2), equal=True)
+leading_batch_dims(aten.lu_unpack.default, cores=(2, 1), equal=True)
+
+
+@register(aten.linalg_matrix_exp.default)
+def matrix_exp(func, args, dims, kwargs):
+    """matrix_exp of a contiguous input: torch's kernel fails on some strided batches."""
+    check_ranks(func, args, dims, (2,), kwargs)
+    return func(to_front(args[0], dims[0]).contiguous()), 0
+
+
+@register(aten._linalg_check_errors.default)
+def check_errors(func, args, dims, kwargs):
+    """Check every example's ``info``; returns nothing."""
+    info, api_name = args[:2]
+    func(to_front(info, dims[0]), api_name, is_matrix=False)
+    return None, None
+
+
+@register(aten.trace.default)
+def trace(func, args, dims, kwargs):
+    """trace as the sum of the diagonal."""
+    x = args[0]
+    check_ranks(func, args, dims, (2,), kwargs)
+    if logical_rank(x, dims[0]) != 2:
+        func(torch.empty(logical_shape(x, dims[0]), device="meta"))
+    return to_front(x, dims[0]).diagonal(0, 1, 2).sum(-1), 0
+
+
+@register(aten.diag_embed.default)
+def diag_embed(func, args, dims, kwargs):
+    """diag_embed with its output dims shifted past the batch dim."""
+    x, offset, dim1, dim2 = (list(args) + [0, -2, -1][len(args) - 1 :])[:4]
+    rank = logical_rank(x, dims[0]) + 1
+    dim1, dim2 = wrap_dim(dim1, rank) + 1, wrap_dim(dim2, rank) + 1
+    return torch.diag_embed(to_front(x, dims[0]), offset, dim1, dim2), 0
+
+
+def _is_vector_rhs(a_shape, b_shape) -> bool:
+    """torch's rule for solve-like ops: is B a (batch of) vector(s) rather than matrices?"""
+    return len(b_shape) == 1 or (len(b_shape) == len(a_shape) - 1 and b_shape == a_shape[:-1])
+
+
+@register(aten._linalg_solve_ex.default)
+def linalg_solve(func, args, dims, kwargs):
+    """linalg.solve; with ``A`` unbatched the batch folds into ``B``'s columns (one LU)."""
+    a, b = args
+    da, db = dims
+    check_ranks(func, args, dims, (2, 1), kwargs)
+    vector = _is_vector_rhs(logical_shape(a, da), logical_shape(b, db))
+    if vector:  # torch solves for one column (whatever ``left`` says), then drops it
+        b = to_front(b, db).unsqueeze(-1)
+        db = None if db is None else 0
+    if da is None:
+        x, lu, pivots, info = _solve_folded(func, a, b, db, kwargs)
+        out_dims = (0, None, None, None)
+    else:
+        a_batch, b_batch = logical_rank(a, da) - 2, b.dim() - (db is not None) - 2
+        rank = max(a_batch, b_batch) + 2
+        a = pad_to_rank(to_front(a, da), rank)
+        b = b if db is None else pad_to_rank(to_front(b, db), rank)
+        x, lu, pivots, info = func(a, b, **kwargs)
+        if b_batch > a_batch:  # LU, pivots and info keep A's own batch shape
+            lu, pivots, info = (t.flatten(0, b_batch - a_batch) for t in (lu, pivots, info))
+        out_dims = (0, 0, 0, 0)
+    return (x.squeeze(-1) if vector else x, lu, pivots, info), out_dims
+
+
+def _solve_folded(func, a, b, db, kwargs):
+    """Solve with an unbatched ``A``: the batch of ``B`` becomes extra columns (or rows)."""
+    if kwargs.get("left", True):
+        b = b.movedim(db, -1)  # (*, n, k, batch)
+        x, *rest = func(a, b.flatten(-2), **kwargs)
+        return x.unflatten(-1, b.shape[-2:]).movedim(-1, 0), *rest
+    b = b.movedim(db, -3)  # (*, batch, k, n)
+    x, *rest = func(a, b.flatten(-3, -2), **kwargs)
+    return x.unflatten(-2, b.shape[-3:-1]).movedim(-3, 0), *rest
+
+
+@register(aten.linalg_lstsq.default)
+def linalg_lstsq(func, args, dims, kwargs):
+    """linalg.lstsq: batch first, with torch's vector right-hand-side rule on logical shapes."""
+    a, b, *rest = args
+    da, db = dims[:2]
+    check_ranks(func, args, dims, (2, 1), kwargs)
+    vector = _is_vector_rhs(logical_shape(a, da), logical_shape(b, db))
+    if vector:
+        b = to_front(b, db).unsqueeze(-1)
+        db = None if db is None else 0
+    out, bdims = batch_first(func, (a, b, *rest), (da, db, *dims[2:]), kwargs, (2, 2), True)
+    if vector:
+        out = (out[0].squeeze(-1), *out[1:])  # torch keeps the residuals' column
+    return out, bdims

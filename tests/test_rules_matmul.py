@@ -1,0 +1,294 @@
+"""The matmul family (torchlevels/batching/matmul.py) against torch.func.vmap and a loop.
+
+Each check runs a function three ways on the same inputs: torchlevels' vmap,
+torch.func.vmap, and a Python loop over the examples stacked with torch.stack. It fails
+if any op fell to the slow per-example loop.
+"""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from torchlevels import vmap
+from torchlevels.batching import registry
+
+aten = torch.ops.aten
+B = 3
+
+
+@pytest.fixture(autouse=True)
+def _fresh():
+    registry._warned.clear()  # the loop warns once per op and process: re-arm it
+    torch.manual_seed(0)
+
+
+def batched(shape, dim, dtype=torch.float64):
+    """A random tensor of logical ``shape`` with a batch of ``B`` at ``dim`` (None: none)."""
+    if dim is None:
+        return torch.randn(shape, dtype=dtype)
+    x = torch.randn((B, *shape), dtype=dtype)
+    return x.movedim(0, dim)
+
+
+def loop(f, args, in_dims):
+    outs = [f(*(a if d is None else a.select(d, i) for a, d in zip(args, in_dims)))
+            for i in range(B)]
+    flat, spec = tree_flatten(outs[0])
+    per = [tree_flatten(o)[0] for o in outs]
+    return tree_unflatten([torch.stack(parts) for parts in zip(*per)], spec)
+
+
+def check(f, *args, in_dims=0, atol=1e-8, rtol=1e-6, against_func=True):
+    """``vmap(f)`` equals ``torch.func.vmap(f)`` and the loop, and never runs the slow loop."""
+    in_dims = in_dims if isinstance(in_dims, tuple) else (in_dims,) * len(args)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = vmap(f, in_dims)(*args)
+    slow = [str(w.message) for w in caught if "no batching rule" in str(w.message)]
+    assert not slow, slow
+    if against_func:
+        want = torch.func.vmap(f, in_dims)(*args)
+        torch.testing.assert_close(got, want, atol=atol, rtol=rtol)
+    torch.testing.assert_close(got, loop(f, args, in_dims), atol=atol, rtol=rtol)
+    return got
+
+
+def dim_combos(ranks):
+    """Every assignment of a batch dim (or None) to operands of ``ranks``, not all None."""
+    choices = [[None, *range(r + 1)] for r in ranks]
+    return [c for c in itertools.product(*choices) if any(d is not None for d in c)]
+
+
+# -- the plain products ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dims", dim_combos((2, 2)))
+def test_mm(dims):
+    a, b = batched((4, 5), dims[0]), batched((5, 2), dims[1])
+    check(torch.mm, a, b, in_dims=dims)
+
+
+@pytest.mark.parametrize("dims", dim_combos((3, 3)))
+def test_bmm(dims):
+    a, b = batched((2, 4, 5), dims[0]), batched((2, 5, 3), dims[1])
+    check(torch.bmm, a, b, in_dims=dims)
+
+
+@pytest.mark.parametrize("dims", dim_combos((2, 1)))
+def test_mv(dims):
+    check(torch.mv, batched((4, 5), dims[0]), batched((5,), dims[1]), in_dims=dims)
+
+
+@pytest.mark.parametrize("dims", dim_combos((1, 1)))
+@pytest.mark.parametrize("op", [torch.dot, torch.vdot, torch.inner, torch.outer])
+def test_vector_products(op, dims):
+    check(op, batched((5,), dims[0]), batched((5,), dims[1]), in_dims=dims)
+
+
+@pytest.mark.parametrize("dims", dim_combos((1, 1)))
+def test_vdot_conjugates_complex(dims):
+    a, b = batched((5,), dims[0], torch.complex128), batched((5,), dims[1], torch.complex128)
+    got = check(torch.vdot, a, b, in_dims=dims)
+    assert got.dtype == torch.complex128
+
+
+@pytest.mark.parametrize("op", [torch.mm, torch.matmul])
+def test_integer_matmul(op):
+    a = torch.randint(-5, 5, (B, 3, 4))
+    w = torch.randint(-5, 5, (4, 2))
+    assert check(op, a, w, in_dims=(0, None)).dtype == torch.int64
+
+
+@pytest.mark.parametrize("shapes", [((0, 5), (5, 2)), ((4, 0), (0, 2)), ((4, 5), (5, 0))],
+                         ids=str)
+@pytest.mark.parametrize("dims", [(0, None), (None, 0), (0, 0)])
+def test_empty_matrices(shapes, dims):
+    a, b = batched(shapes[0], dims[0]), batched(shapes[1], dims[1])
+    check(torch.mm, a, b, in_dims=dims)
+    check(torch.bmm, a.unsqueeze(-3), b.unsqueeze(-3), in_dims=dims)
+    check(lambda s, a, b: torch.addmm(s, a, b), batched((shapes[1][1],), None), a, b,
+          in_dims=(None, *dims))
+
+
+# -- the fused add forms -----------------------------------------------------------------
+
+SCALINGS = [{}, {"beta": 0.5, "alpha": 2.0}, {"beta": 0.0}]
+
+
+@pytest.mark.parametrize("self_shape", [(), (3,), (1, 3), (4, 3)])
+@pytest.mark.parametrize("dims", dim_combos((2, 2, 2)))
+@pytest.mark.parametrize("scale", SCALINGS)
+def test_addmm(self_shape, dims, scale):
+    s = batched(self_shape, min(dims[0], len(self_shape)) if dims[0] is not None else None)
+    sdim = None if dims[0] is None else min(dims[0], len(self_shape))
+    a, b = batched((4, 5), dims[1]), batched((5, 3), dims[2])
+    check(lambda s, a, b: torch.addmm(s, a, b, **scale), s, a, b, in_dims=(sdim, *dims[1:]))
+
+
+def test_addmm_beta_zero_ignores_nan():
+    s = torch.full((3,), float("nan"), dtype=torch.float64)
+    a, w = batched((4, 5), 0), batched((5, 3), None)
+    # torch.func.vmap propagates the NaN here, unlike torch.addmm itself: compare to the loop
+    got = check(lambda s, a, w: torch.addmm(s, a, w, beta=0), s, a, w, in_dims=(None, 0, None),
+                against_func=False)
+    assert not got.isnan().any()
+
+
+@pytest.mark.parametrize("self_shape", [(3,), (4, 3), (2, 4, 3)])
+@pytest.mark.parametrize("dims", dim_combos((1, 3, 3)))
+@pytest.mark.parametrize("scale", SCALINGS[:2])
+def test_baddbmm(self_shape, dims, scale):
+    sdim = None if dims[0] is None else min(dims[0], len(self_shape))
+    s = batched(self_shape, sdim)
+    a, b = batched((2, 4, 5), dims[1]), batched((2, 5, 3), dims[2])
+    check(lambda s, a, b: torch.baddbmm(s, a, b, **scale), s, a, b, in_dims=(sdim, *dims[1:]))
+
+
+@pytest.mark.parametrize("dims", dim_combos((2, 3, 3)))
+@pytest.mark.parametrize("scale", SCALINGS[:2])
+def test_addbmm(dims, scale):
+    s = batched((4, 3), dims[0])
+    a, b = batched((2, 4, 5), dims[1]), batched((2, 5, 3), dims[2])
+    check(lambda s, a, b: torch.addbmm(s, a, b, **scale), s, a, b, in_dims=dims)
+
+
+@pytest.mark.parametrize("dims", dim_combos((1, 2, 1)))
+@pytest.mark.parametrize("scale", SCALINGS)
+def test_addmv(dims, scale):
+    s, a, v = batched((4,), dims[0]), batched((4, 5), dims[1]), batched((5,), dims[2])
+    check(lambda s, a, v: torch.addmv(s, a, v, **scale), s, a, v, in_dims=dims)
+
+
+@pytest.mark.parametrize("dims", dim_combos((2, 1, 1)))
+@pytest.mark.parametrize("scale", SCALINGS)
+def test_addr(dims, scale):
+    s, u, v = batched((4, 5), dims[0]), batched((4,), dims[1]), batched((5,), dims[2])
+    check(lambda s, u, v: torch.addr(s, u, v, **scale), s, u, v, in_dims=dims)
+
+
+# -- composites that reach vmap as the ops above -------------------------------------------
+
+MATMUL_SHAPES = [
+    ((4, 5), (5, 3)), ((5,), (5, 3)), ((4, 5), (5,)), ((5,), (5,)), ((2, 4, 5), (5, 3)),
+    ((4, 5), (2, 5, 3)), ((2, 4, 5), (2, 5, 3)), ((2, 4, 5), (1, 5, 3)), ((5,), (2, 5, 3)),
+    ((2, 4, 5), (5,)), ((2, 1, 4, 5), (3, 5, 2)),
+]
+
+
+@pytest.mark.parametrize("shapes", MATMUL_SHAPES, ids=str)
+@pytest.mark.parametrize("dims", [(0, None), (None, 0), (0, 0), (1, -1)])
+def test_matmul(shapes, dims):
+    dims = tuple(None if d is None else d % (len(s) + 1) for d, s in zip(dims, shapes))
+    check(torch.matmul, batched(shapes[0], dims[0]), batched(shapes[1], dims[1]), in_dims=dims)
+
+
+@pytest.mark.parametrize("x_shape", [(5,), (4, 5), (2, 4, 5)])
+@pytest.mark.parametrize("dims", [(0, None, None), (None, 0, None), (None, None, 0), (0, 0, 0),
+                                  (1, None, 0)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_linear(x_shape, dims, bias):
+    if dims[0] is not None:
+        dims = (min(dims[0], len(x_shape)), *dims[1:])
+    x, w = batched(x_shape, dims[0]), batched((3, 5), dims[1])
+    if bias:
+        b = batched((3,), dims[2])
+        check(F.linear, x, w, b, in_dims=dims)
+    elif dims[:2] != (None, None):
+        check(F.linear, x, w, in_dims=dims[:2])
+
+
+def test_einsum_tensordot_multi_dot():
+    a, b, c = batched((4, 5), 0), batched((5, 3), None), batched((3, 2), 1)
+    check(lambda a, b, c: torch.einsum("ij,jk,kl->il", a, b, c), a, b, c, in_dims=(0, None, 1))
+    check(lambda a, b: torch.tensordot(a, b, 1), a, b, in_dims=(0, None))
+    check(lambda a, b, c: torch.linalg.multi_dot([a, b, c]), a, b, c, in_dims=(0, None, 1))
+    check(lambda a, b: torch.einsum("bij,bjk->bik", a, b),
+          batched((2, 4, 5), 0), batched((2, 5, 3), 2), in_dims=(0, 2))
+
+
+# -- nesting, autograd, errors ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("inner", [(0, None), (None, 0), (0, 0), (1, 1)])
+@pytest.mark.parametrize("outer", [(0, None), (None, 0), (0, 0), (2, 1)])
+def test_nested_mm(inner, outer):
+    shapes = [(4, 5), (5, 3)]
+    args = []
+    for shape, di, do in zip(shapes, inner, outer):
+        x = batched(shape, di)  # inner batch of B
+        if do is not None:
+            x = torch.stack([x + i for i in range(2)], do)  # outer batch of 2
+        args.append(x)
+    got = vmap(vmap(torch.mm, inner), outer)(*args)
+    want = torch.func.vmap(torch.func.vmap(torch.mm, inner), outer)(*args)
+    torch.testing.assert_close(got, want)
+    looped = torch.stack([
+        loop(torch.mm, [a if d is None else a.select(d, j) for a, d in zip(args, outer)], inner)
+        for j in range(2)
+    ])
+    torch.testing.assert_close(got, looped)
+
+
+@pytest.mark.parametrize("dims", [(0, None, None), (None, 0, None), (0, 0, 0)])
+def test_linear_backward(dims):
+    x, w, b = batched((5,), dims[0]), batched((3, 5), dims[1]), batched((3,), dims[2])
+    for t in (x, w, b):
+        t.requires_grad_()
+    f = vmap(lambda x, w, b: torch.tanh(F.linear(x, w, b)), dims)
+    grads = torch.autograd.grad(f(x, w, b).square().sum(), (x, w, b))
+    g = torch.func.vmap(lambda x, w, b: torch.tanh(F.linear(x, w, b)), dims)
+    want = torch.autograd.grad(g(x, w, b).square().sum(), (x, w, b))
+    torch.testing.assert_close(grads, want)
+
+
+@pytest.mark.parametrize("op,shapes", [
+    (torch.mm, ((4,), (4, 3))), (torch.mm, ((2, 4), (4,))), (torch.bmm, ((4, 5), (2, 5, 3))),
+    (torch.mv, ((4, 5), (4, 5))), (torch.dot, ((4, 5), (5,))),
+])
+def test_wrong_ranks_raise_like_torch(op, shapes):
+    a, b = batched(shapes[0], 0), batched(shapes[1], None)
+    with pytest.raises(RuntimeError):
+        torch.func.vmap(op, (0, None))(a, b)
+    with pytest.raises(RuntimeError):
+        vmap(op, (0, None))(a, b)
+
+
+# -- one kernel: the weight is never expanded or copied --------------------------------------
+
+
+def kernels(f, *args):
+    """Names of the aten ops that ran on plain tensors (not on vmap's wrappers)."""
+    with torch.profiler.profile() as prof:
+        f(*args)
+    return [e.name for e in prof.events()]
+
+
+@pytest.mark.parametrize("x_shape,op", [((5,), F.linear), ((4, 5), F.linear),
+                                        ((4, 5), lambda x, w: x @ w.T)])
+def test_batched_times_weight_is_one_mm(x_shape, op):
+    x, w = batched(x_shape, 0, torch.float32), torch.randn(3, 5)
+    names = kernels(vmap(op, (0, None)), x, w)
+    assert "aten::bmm" not in names and "aten::baddbmm" not in names, names
+    assert not {"aten::copy_", "aten::clone", "aten::contiguous"} & set(names), names
+    # each matmul op appears twice: once on the wrapper, once on the plain tensors
+    assert sum(n in ("aten::mm", "aten::addmm") for n in names) == 2, names
+
+
+def test_weight_times_batched_columns_is_one_mm():
+    w, x = torch.randn(3, 5), torch.randn(5, B, 4)  # the batch sits next to the columns
+    names = kernels(vmap(torch.mm, (None, 1)), w, x)
+    assert names.count("aten::mm") == 2 and "aten::bmm" not in names, names
+    assert not {"aten::copy_", "aten::clone"} & set(names), names
+
+
+def test_registered_as_own_rules():
+    for op in [aten.mm.default, aten.bmm.default, aten.mv.default, aten.dot.default,
+               aten.vdot.default, aten.addmm.default, aten.baddbmm.default,
+               aten.addbmm.default, aten.addmv.default, aten.addr.default]:
+        assert registry.resolve(op).how is registry.How.OWN, op
