@@ -488,12 +488,12 @@ def test_masked_scatter(shape, mshape):
                  match="vmapped over")
 
 
-def test_nonzero_raises():
-    x = torch.randn(B, 4)
-    check_raises(torch.nonzero, [x], (0,), match="dynamic shape")
-    with pytest.raises(RuntimeError, match="dynamic shape"):  # torch.func does not raise
-        run_ours(torch.argwhere, [x], (0,))
-    check_raises(lambda x: x.nonzero(as_tuple=True)[0], [x], (0,), match="dynamic shape")
+def test_nonzero_with_equal_counts_matches_loop_and_different_counts_raise():
+    same = torch.tensor([[1.0, 0.0, 2.0], [0.0, 3.0, 4.0]])
+    for f in (torch.nonzero, torch.argwhere, lambda x: x.nonzero(as_tuple=True)[0]):
+        torch.testing.assert_close(run_ours(f, [same], (0,)), torch.stack([f(r) for r in same]))
+    differ = torch.tensor([[1.0, 0.0, 2.0], [0.0, 0.0, 4.0]])
+    check_raises(torch.nonzero, [differ], (0,), match="dynamic shape")
 
 
 # -- embedding ------------------------------------------------------------------------------

@@ -153,6 +153,8 @@ def _pointwise_fast_path(cls, func, args, kwargs):
 
 def wrap_batched(cls, inner: torch.Tensor, bdim: int) -> torch.Tensor:
     """A tensor of vmap level ``cls`` whose batch dim is ``bdim`` of ``inner``."""
+    if inner.is_conj() or inner.is_neg():  # lazy bits that kernels in rules would ignore
+        inner = inner.resolve_conj().resolve_neg()
     shape = inner.shape
     strides = inner.stride()
     out = _make_wrapper_subclass(

@@ -361,11 +361,93 @@ def masked_scatter(func, args, dims, kwargs):
 
 @register(aten.nonzero.default)
 def nonzero(func, args, dims, kwargs):
-    """nonzero's output shape depends on the values: refuse, as torch.func does."""
-    raise _dynamic_shape_error(str(func))
+    """One nonzero over the batch, split per example; examples must agree on the count."""
+    x = to_front(args[0], dims[0])
+    found = torch.nonzero(x)  # rows are (example, *index), grouped by example
+    counts = torch.bincount(found[:, 0], minlength=x.shape[0])
+    if x.shape[0] and bool((counts != counts[0]).any()):
+        raise _dynamic_shape_error(str(func))
+    per_example = int(counts[0]) if x.shape[0] else 0
+    return found[:, 1:].reshape(x.shape[0], per_example, x.dim() - 1), 0
+
+
+@register(aten._unique2.default)
+def unique(func, args, dims, kwargs):
+    """Sorted unique values per example, by one batched sort; examples must agree on the count."""
+    x, *flags = args
+    return_inverse, return_counts = (list(flags[1:]) + [False, False])[:2]
+    x = to_front(x, dims[0])
+    flat = x.reshape(x.shape[0], -1)
+    values, order = flat.sort(1)
+    first = torch.ones_like(values, dtype=torch.bool)  # where a new value starts
+    first[:, 1:] = values[:, 1:] != values[:, :-1]
+    counts_per_example = first.sum(1)
+    if flat.shape[0] and bool((counts_per_example != counts_per_example[0]).any()):
+        raise _dynamic_shape_error(str(func))
+    n = int(counts_per_example[0]) if flat.shape[0] else 0
+    group = first.cumsum(1) - 1  # the unique value each sorted element belongs to
+    out = values[first].reshape(flat.shape[0], n)
+    inverse = (torch.empty_like(order).scatter_(1, order, group).reshape(x.shape)
+               if return_inverse else flat.new_empty((flat.shape[0], 0), dtype=torch.long))
+    counts = (torch.zeros(flat.shape[0], n, dtype=torch.long, device=x.device).scatter_add_(
+        1, group, torch.ones_like(group)) if return_counts
+              else flat.new_empty((flat.shape[0], 0), dtype=torch.long))
+    return (out, inverse, counts), (0, 0, 0)
+
+
+# -- sorted search --------------------------------------------------------------------------
+
+
+@register(aten.searchsorted.Tensor, aten.searchsorted.Scalar, aten.bucketize.Tensor)
+def searchsorted(func, args, dims, kwargs):
+    """Search batched values in shared boundaries directly; batched boundaries go per row."""
+    if func is aten.bucketize.Tensor:  # bucketize(values, boundaries) = searchsorted(b, v)
+        (values, boundaries), (vd, bd), rest = args[:2], dims[:2], args[2:]
+        out_int32, right = (list(rest) + [kwargs.get("out_int32", False),
+                                          kwargs.get("right", False)][len(rest):])[:2]
+        kwargs = {"out_int32": out_int32, "right": right}
+    else:
+        (boundaries, values), (bd, vd), rest = args[:2], dims[:2], args[2:]
+    size = batch_size(args, dims)
+    if bd is None and boundaries.dim() == 1:
+        if not isinstance(values, torch.Tensor):
+            return torch.searchsorted(boundaries, values, *rest, **kwargs), None
+        return torch.searchsorted(boundaries, to_front(values, vd), *rest, **kwargs), 0
+    boundaries = materialize(boundaries, bd, size)
+    if not isinstance(values, torch.Tensor):
+        values = torch.full((size, 1), values, dtype=boundaries.dtype, device=boundaries.device)
+        return torch.searchsorted(boundaries, values, *rest, **kwargs).squeeze(-1), 0
+    values = materialize(values, vd, size)
+    if kwargs.get("sorter") is not None:  # the sorter indexes the (now batched) boundaries
+        kwargs = {**kwargs, "sorter": kwargs["sorter"].expand(boundaries.shape)}
+    if boundaries.dim() == 2:  # one sorted row per example: flatten each example's values
+        flat_values = values.flatten(1) if values.dim() > 1 else values.unsqueeze(1)
+    else:  # rows of boundaries pair with rows of values
+        flat_values, boundaries = values.flatten(0, -2), boundaries.flatten(0, -2)
+        if kwargs.get("sorter") is not None:
+            kwargs = {**kwargs, "sorter": kwargs["sorter"].flatten(0, -2)}
+    return torch.searchsorted(boundaries, flat_values, *rest, **kwargs).reshape(values.shape), 0
 
 
 # -- embedding ------------------------------------------------------------------------------
+
+
+@register(aten.embedding_renorm_.default)
+def embedding_renorm_(func, args, dims, kwargs):
+    """Renormalize the rows any example looks up (renorming a row twice changes nothing)."""
+    weight, indices, *rest = args
+    if dims[0] is None:
+        func(weight, indices.flatten(), *rest, **kwargs)
+        return weight, None
+    weight = to_front(weight, dims[0])
+    size, rows = weight.shape[0], weight.shape[1]
+    indices = materialize(indices, dims[1], size).reshape(size, -1)
+    offsets = torch.arange(size, device=indices.device).unsqueeze(1) * rows
+    flat = weight.reshape(size * rows, -1)  # a copy when weight is not contiguous
+    func(flat, (indices + offsets).flatten(), *rest, **kwargs)
+    if not weight.is_contiguous():
+        weight.copy_(flat.view(weight.shape))
+    return weight, 0
 
 
 @register(aten.embedding.default)

@@ -247,7 +247,7 @@ def native_group_norm(func, args, dims, kwargs):
         out, mean, rstd = func(x, *params, n, c, hxw, group, eps)
         xd = None
     else:
-        x = to_front(x, dims[0])
+        x = to_front(x, dims[0]).contiguous()  # the kernel needs a contiguous input
         outs = func(x.flatten(0, 1), *params, size * n, c, hxw, group, eps)
         out, mean, rstd = (t.unflatten(0, (size, n)) for t in outs)
         xd = 0

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
 
-from torchlevels.batching.dims import pad_to_rank, to_front
-from torchlevels.batching.registry import register, register_family
+from torchlevels.batching.dims import materialize, pad_to_rank, to_front
+from torchlevels.batching.registry import batch_size, register, register_family
 
 aten = torch.ops.aten
 DEFAULT_PROMOTION = ELEMENTWISE_TYPE_PROMOTION_KIND.DEFAULT
@@ -86,7 +86,17 @@ def _is_pointwise(func) -> bool:
 
 
 register_family("pointwise", _is_pointwise, pointwise_rule)
-register(aten.copy_.default)(pointwise_rule)
+register(aten.copy_.default, aten.complex, aten.polar)(pointwise_rule)
+
+
+@register(aten.copy.default)
+def copy(func, args, dims, kwargs):
+    """``copy(self, src)``: src broadcast into self's shape, so self needs the batch dim."""
+    self, src, *rest = args
+    size = batch_size(args, dims)
+    rank = self.dim() - (dims[0] is not None)
+    src = pad_to_rank(to_front(src, dims[1]), rank) if dims[1] is not None else src
+    return func(materialize(self, dims[0], size), src, *rest, **kwargs), 0
 
 
 @register(aten.new_empty, aten.new_zeros, aten.new_ones, aten.new_full)
@@ -98,8 +108,27 @@ def new_factory(func, args, dims, kwargs):
 
 @register(
     aten.zeros_like, aten.ones_like, aten.empty_like, aten.full_like, aten.clone,
-    aten._to_copy, aten.alias, aten.detach, aten.lift_fresh,
+    aten._to_copy, aten.alias, aten.detach, aten.lift_fresh, aten._conj, aten._neg_view,
+    aten.conj_physical, aten.resolve_conj, aten.resolve_neg,
 )
 def like_rule(func, args, dims, kwargs):
     """Ops whose output has the input's shape: run on the physical tensor as it is."""
+    memory_format = kwargs.get("memory_format")
+    if memory_format in _CHANNELS_LAST:
+        return _channels_last(func, args, dims, kwargs, memory_format)
     return func(*args, **kwargs), dims[0]
+
+
+_CHANNELS_LAST = {torch.channels_last: 4, torch.channels_last_3d: 5}
+
+
+def _channels_last(func, args, dims, kwargs, memory_format):
+    """Each example laid out channels-last: the batch dim outermost, channels innermost."""
+    x = to_front(args[0], dims[0])
+    out = func(x, *args[1:], **{**kwargs, "memory_format": torch.contiguous_format})
+    if out.dim() != _CHANNELS_LAST[memory_format] + 1:
+        return func(*args, **kwargs), dims[0]  # let torch raise its rank error
+    last = out.dim() - 1
+    order = [0, 1, *range(3, last + 1), 2]  # (B, N, C, *spatial) -> (B, N, *spatial, C)
+    back = [0, 1, last, *range(2, last)]
+    return out.permute(order).contiguous().permute(back), 0

@@ -40,6 +40,9 @@ _PACKETS = {
         "randint_like", "_standard_gamma", "binomial", "_sample_dirichlet",
     )
 }
+# Composite dropouts decompose into in-place bernoulli_ on a fresh tensor: the hook sees
+# them first, so an unbatched input is batched before it decomposes.
+_DROPOUTS = {aten.dropout, aten.feature_dropout, aten.alpha_dropout, aten.feature_alpha_dropout}
 
 
 _LIKE = {aten.rand_like, aten.randn_like, aten.randint_like}
@@ -117,7 +120,7 @@ def _random_in_levels(op, args, kwargs):
     """
     from torchlevels.vmap import BatchLevel, wrap_batched
 
-    if op is aten.native_dropout.default and not args[2]:
+    if (op.overloadpacket in _DROPOUTS or op is aten.native_dropout.default) and not args[2]:
         return op(*args, **kwargs)  # dropout in eval mode draws nothing
     classes = [c for c in enclosing_classes(innermost()) if isinstance(c._level, BatchLevel)]
     for cls in classes:
@@ -167,7 +170,7 @@ def _draw(op, args, kwargs, sizes):
 
 
 _library = torch.library.Library("aten", "IMPL")  # kept alive for the process
-for _packet in _PACKETS:
+for _packet in _PACKETS | _DROPOUTS:
     for _name in _packet.overloads():
         _op = getattr(_packet, _name)
         if "out" not in _name:

@@ -11,8 +11,8 @@ import functools
 
 import torch
 
-from torchlevels.batching.dims import pad_to_rank, to_front, wrap_dim
-from torchlevels.batching.registry import register, register_family
+from torchlevels.batching.dims import materialize, pad_to_rank, to_front, wrap_dim
+from torchlevels.batching.registry import batch_size, register, register_family
 
 aten = torch.ops.aten
 
@@ -30,10 +30,16 @@ def dim_rule(func, args, dims, kwargs):
     """Batch an op that works along ``dim``/``dims`` of broadcast tensor inputs."""
     index, name, typ, default = _dim_arg(func)
     reduction = torch.Tag.reduction in func.tags
-    rank = max(a.dim() - (d is not None) for a, d in zip(args, dims) if isinstance(a, torch.Tensor))
-    phys = [
-        pad_to_rank(to_front(a, d), rank) if d is not None else a for a, d in zip(args, dims)
-    ]
+    tensors = [(a, d) for a, d in zip(args, dims) if isinstance(a, torch.Tensor)]
+    rank = max(a.dim() - (d is not None) for a, d in tensors)
+    if len(tensors) > 1:  # e.g. softmax backward, cross: every tensor gets the batch dim
+        size = batch_size(args, dims)
+        phys = [pad_to_rank(materialize(a, d, size), rank) if isinstance(a, torch.Tensor) else a
+                for a, d in zip(args, dims)]
+        dims = [0 if isinstance(a, torch.Tensor) else d for a, d in zip(args, dims)]
+    else:
+        phys = [pad_to_rank(to_front(a, d), rank) if d is not None else a
+                for a, d in zip(args, dims)]
     scalar = rank == 0
     if scalar:  # a dim of a 0-dim tensor means "the only element": give it a real dim
         phys = [p.unsqueeze(-1) if d is not None else p for p, d in zip(phys, dims)]
@@ -43,8 +49,8 @@ def dim_rule(func, args, dims, kwargs):
         dim = wrap_dim(dim, rank) + 1
     elif dim is None or (isinstance(dim, (list, tuple)) and not dim):
         if reduction:
-            dim = list(range(1, max(rank, 1) + 1)) if "[]" in typ else None
-        if dim is None and reduction and "[]" not in typ:
+            dim = list(range(1, max(rank, 1) + 1)) if "List" in typ else None
+        if dim is None and reduction and "List" not in typ:
             return _flat_reduction(func, phys, index, kwargs, positional, scalar)
     else:
         dim = [wrap_dim(d, rank) + 1 for d in dim]
@@ -96,7 +102,7 @@ register(
     aten._softmax, aten._log_softmax, aten._softmax_backward_data,
     aten._log_softmax_backward_data, aten.cumsum, aten.cumprod, aten.logcumsumexp,
     aten.cummax, aten.cummin, aten.sort, aten.argsort, aten.topk, aten.kthvalue, aten.flip,
-    aten.median.dim, aten.nanmedian.dim, aten.mode, aten.glu, aten.renorm, aten.linalg_cross,
+    aten.median.dim, aten.nanmedian.dim, aten.mode, aten.glu, aten.linalg_cross,
     aten.cumsum_, aten.cumprod_, aten.squeeze.dim, aten.squeeze.dims,
     aten.glu_backward, aten.logsumexp, aten.nansum, aten.count_nonzero,
 )(dim_rule)
@@ -122,3 +128,17 @@ register(aten.any.default)(_full(lambda x: x.any(1)))
 register(aten.median.default)(_full(lambda x: x.median(1).values))
 register(aten.nanmedian.default)(_full(lambda x: x.nanmedian(1).values))
 register(aten.norm.Scalar)(_full(lambda x, p=2: torch.linalg.vector_norm(x, p, dim=1)))
+
+
+@register(aten.renorm, aten.renorm_)
+def renorm(func, args, dims, kwargs):
+    """Norms are over every dim but ``dim``: fold ``dim`` into the batch, not the batch into it."""
+    x, p, d, maxnorm = args
+    x = to_front(x, dims[0])
+    d = wrap_dim(d, x.dim() - 1) + 1
+    moved = x.movedim(d, 1)
+    flat = moved.reshape(moved.shape[0] * moved.shape[1], *moved.shape[2:])
+    out = torch.renorm(flat, p, 0, maxnorm).reshape(moved.shape).movedim(1, d)
+    if func is aten.renorm_.default:
+        return x.copy_(out), 0
+    return out, 0

@@ -148,9 +148,12 @@ def loop_rule(func: OpOverload, args: tuple, dims: tuple, kwargs: dict) -> tuple
         _warned.add(func)
         warnings.warn(f"no batching rule for {func}; using a slow loop", stacklevel=2)
     size = batch_size(args, dims)
+    # some kernels need contiguous inputs (pdist); ops that write or return views get views
+    schema = func._schema
+    contiguous = not schema.is_mutable and all(r.alias_info is None for r in schema.returns)
     per_example = []
     for b in range(size):
-        sliced = [_select(a, d, b) for a, d in zip(args, dims)]
+        sliced = [_select(a, d, b, contiguous) for a, d in zip(args, dims)]
         per_example.append(func(*sliced, **kwargs))
     first = per_example[0] if per_example else None
     if isinstance(first, torch.Tensor):
@@ -175,12 +178,13 @@ def _stack(func: OpOverload, outs: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack(outs)
 
 
-def _select(arg: Any, dim: Any, index: int) -> Any:
+def _select(arg: Any, dim: Any, index: int, contiguous: bool) -> Any:
     if dim is None:
         return arg
     if isinstance(dim, tuple):
-        return [_select(a, d, index) for a, d in zip(arg, dim)]
-    return arg.select(dim, index)
+        return [_select(a, d, index, contiguous) for a, d in zip(arg, dim)]
+    row = arg.select(dim, index)
+    return row.contiguous() if contiguous else row
 
 
 def batch_size(args: Iterable, dims: Iterable) -> int:

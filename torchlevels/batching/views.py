@@ -74,7 +74,7 @@ def select(func, args, dims, kwargs):
 
 @register(aten.slice.Tensor)
 def slice_(func, args, dims, kwargs):
-    x, d, *rest = args
+    x, d, *rest = (*args, 0) if len(args) == 1 else args
     return func(to_front(x, dims[0]), wrap_dim(d, x.dim() - 1) + 1, *rest, **kwargs), 0
 
 
@@ -122,7 +122,24 @@ def stack(func, args, dims, kwargs):
 @register(aten.unfold.default)
 def unfold(func, args, dims, kwargs):
     x, d, size, step = args
-    return to_front(x, dims[0]).unfold(wrap_dim(d, x.dim() - 1) + 1, size, step), 0
+    x = to_front(x, dims[0])
+    if x.dim() == 1:  # a 0-dim tensor unfolds as if it had one dim of size 1
+        return x.unsqueeze(1).unfold(1, size, step).squeeze(1), 0
+    return x.unfold(wrap_dim(d, x.dim() - 1) + 1, size, step), 0
+
+
+@register(aten.diagonal_scatter, aten.select_scatter, aten.slice_scatter)
+def scatter_view(func, args, dims, kwargs):
+    """Write ``src`` into a view of ``input``: both batched first, the view's dims shift."""
+    x, src, *rest = args
+    size = batch_size(args, dims)
+    x, src = materialize(x, dims[0], size), materialize(src, dims[1], size)
+    rank = x.dim() - 1
+    if func.overloadpacket is aten.diagonal_scatter:
+        offset, d1, d2 = (list(rest) + [0, 0, 1][len(rest):])[:3]
+        return func(x, src, offset, wrap_dim(d1, rank) + 1, wrap_dim(d2, rank) + 1), 0
+    d, *more = rest or [0]
+    return func(x, src, wrap_dim(d, rank) + 1, *more, **kwargs), 0
 
 
 @register(aten.repeat.default)
