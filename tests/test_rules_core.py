@@ -177,3 +177,34 @@ def test_pointwise_mixed_dtypes_and_int_tensors():
     for dims, args in [((0, None), (x, y)), ((None, 0), (x[0], torch.randn(3, 4))), ((1, 0), (
             x, torch.randn(4, 3)))]:
         torch.testing.assert_close(vmap(f, in_dims=dims)(*args), func_vmap(f, in_dims=dims)(*args))
+
+
+@pytest.mark.parametrize("rank_a", [1, 2, 3])
+@pytest.mark.parametrize("rank_b", [1, 2, 3])
+@pytest.mark.parametrize("dims", [(0, 0), (0, None), (None, 0), (-1, 1)])
+def test_matmul_composite_rule(rank_a, rank_b, dims):
+    """matmul is caught before it decomposes: every rank pair, batched either side."""
+    shape_a, shape_b = [(2, 4, 5)[-rank_a:], (2, 5, 3)[-rank_b:]]
+    shape_b = shape_b if rank_b > 1 else (5,)
+    args = []
+    for shape, d in zip((shape_a, shape_b), dims):
+        if d is None:
+            args.append(torch.randn(shape))
+        else:
+            full = list(shape)
+            full.insert(d % (len(shape) + 1), 3)
+            args.append(torch.randn(full))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ours = vmap(torch.matmul, in_dims=dims)(*args)
+    torch.testing.assert_close(ours, func_vmap(torch.matmul, in_dims=dims)(*args))
+    torch.testing.assert_close(ours, loop(torch.matmul, dims, *args))
+
+
+@pytest.mark.parametrize("batched", [(0, None, None), (0, 0, None), (0, None, 0), (None, 0, 0)])
+def test_linear_composite_rule(batched):
+    x, w, b = torch.randn(3, 4, 5), torch.randn(3, 6, 5), torch.randn(3, 6)
+    args = [a if d is not None else a[0] for a, d in zip((x, w, b), batched)]
+    ours = vmap(torch.nn.functional.linear, in_dims=batched)(*args)
+    torch.testing.assert_close(ours, loop(torch.nn.functional.linear, batched, *args))
+    torch.testing.assert_close(ours, func_vmap(torch.nn.functional.linear, in_dims=batched)(*args))

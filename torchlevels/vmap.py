@@ -19,7 +19,7 @@ from torch.utils._pytree import TreeSpec, _broadcast_to_and_flatten, tree_flatte
 
 from torchlevels import batching  # noqa: F401  (registers the rules)
 from torchlevels._level import Level, LevelTensor, entered, new_level_class
-from torchlevels.batching import random as batched_random
+from torchlevels.batching import predispatch
 from torchlevels.batching.registry import How, resolve, resolved_by_id
 
 _make_wrapper_subclass = torch.Tensor._make_wrapper_subclass
@@ -103,24 +103,37 @@ class BatchLevel(Level):
                 out, out_dims = rule.fn(func, phys, dims, kwargs)
         else:
             out, out_dims = rule.fn(func, phys, dims, kwargs)
-        if type(out_dims) is int:
-            if type(out) is not torch.Tensor and isinstance(out, (tuple, list)):
-                out_dims = (out_dims,) * len(out)  # one batch dim for every output
-            elif rule.inplace and type(args[0]) is cls:
-                self_ = args[0]
-                if out is not self_._inner:  # e.g. squeeze_: the wrapper takes the new view
-                    _rewrap_inplace(self_, out, out_dims)
-                return self_
-            else:
-                return wrap_batched(cls, out, out_dims)
-        if out_dims is None:
-            return out
-        return type(out)(
-            o if d is None else (args[i] if _is_inplace_output(func, i, args, cls)
-                                 else wrap_batched(cls, o, d))
-            for i, (o, d) in enumerate(zip(out, out_dims))
-        )
+        return wrap_outputs(cls, func, rule.inplace, args, out, out_dims)
 
+    def composite(self, cls, func, rule, args, kwargs):
+        """Apply a composite op's rule (see batching/composite.py), or let it decompose."""
+        phys, dims, _ = unwrap_args(cls, args)
+        with predispatch.unintercepted():  # the rule's own linear/matmul go straight through
+            result = rule(func, phys, dims, kwargs)
+        if result is NotImplemented:
+            return func.decompose(*args, **kwargs)
+        return wrap_outputs(cls, func, False, args, *result)
+
+
+def wrap_outputs(cls, func, inplace: bool, args, out, out_dims):
+    """Wrap a rule's physical outputs that have a batch dim as tensors of level ``cls``."""
+    if type(out_dims) is int:
+        if type(out) is not torch.Tensor and isinstance(out, (tuple, list)):
+            out_dims = (out_dims,) * len(out)  # one batch dim for every output
+        elif inplace and type(args[0]) is cls:
+            self_ = args[0]
+            if out is not self_._inner:  # e.g. squeeze_: the wrapper takes the new view
+                _rewrap_inplace(self_, out, out_dims)
+            return self_
+        else:
+            return wrap_batched(cls, out, out_dims)
+    if out_dims is None:
+        return out
+    return type(out)(
+        o if d is None else (args[i] if _is_inplace_output(func, i, args, cls)
+                             else wrap_batched(cls, o, d))
+        for i, (o, d) in enumerate(zip(out, out_dims))
+    )
 
 def _pointwise_fast_path(cls, func, args, kwargs):
     """The common pointwise case in one pass: all tensors ours, batch dim 0, equal rank."""
@@ -219,7 +232,7 @@ def batch_level(randomness: str = "error", batch_size: int | None = None) -> Ite
     """Enter a fresh vmap level; yields its class (see :func:`vmap` with no function)."""
     level = BatchLevel(randomness, batch_size)
     cls = new_level_class(level, "BatchedTensor")
-    with entered(cls), batched_random.hook(level):
+    with entered(cls), predispatch.hook():
         yield cls
 
 

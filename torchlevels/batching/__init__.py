@@ -1,6 +1,7 @@
 """Batching rules: the registry and one module per op family (importing registers them)."""
 
 from torchlevels.batching import (  # noqa: F401
+    composite,
     data_dependent,
     indexing,
     linalg,

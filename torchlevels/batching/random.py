@@ -2,26 +2,21 @@
 
 Random ops that take a batched tensor reach the level's ``__torch_dispatch__`` like any
 op. But ``torch.randn(3)`` takes no tensor, and ``torch.bernoulli(p)`` may take none of a
-level's tensors, so that level never sees them. While a vmap level is live we include
-PyTorch's ``PreDispatch`` key in this thread's dispatch set: it falls through for every
-op except the random ones, for which we register a kernel here that applies each live
-level's randomness (the same trick as functorch's ``FuncTorchVmapMode`` key).
+level's tensors, so that level never sees them: every random op is also intercepted
+before dispatch (see predispatch.py) to apply each live level's randomness.
 """
 
 from __future__ import annotations
-
-import contextlib
-from collections.abc import Iterator
 
 import torch
 
 from torchlevels._level import LevelTensor, enclosing_classes, innermost
 from torchlevels.batching.dims import logical_shape, to_front
 from torchlevels.batching.pointwise import pointwise_rule
+from torchlevels.batching.predispatch import intercept, passed_by
 from torchlevels.batching.registry import register
 
 aten = torch.ops.aten
-_PRE_DISPATCH = torch._C.DispatchKey.PreDispatch
 
 ERROR = (
     "vmap: called random operation while in randomness error mode. Please either use the "
@@ -104,14 +99,6 @@ register(*_PACKETS, takes_level=True)(rule)
 # -- random ops whose tensors are not batched at some level: torch.randn(3) inside vmap --
 
 
-def _hook_kernel(op):
-    def kernel(*args, **kwargs):
-        with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(_PRE_DISPATCH)):
-            return _random_in_levels(op, args, kwargs)
-
-    return kernel
-
-
 def _random_in_levels(op, args, kwargs):
     """Apply each live vmap level's randomness to a random op, from the outermost level in.
 
@@ -121,7 +108,7 @@ def _random_in_levels(op, args, kwargs):
     from torchlevels.vmap import BatchLevel, wrap_batched
 
     if (op.overloadpacket in _DROPOUTS or op is aten.native_dropout.default) and not args[2]:
-        return op(*args, **kwargs)  # dropout in eval mode draws nothing
+        return passed_by(op, args, kwargs)  # dropout in eval mode draws nothing
     classes = [c for c in enclosing_classes(innermost()) if isinstance(c._level, BatchLevel)]
     for cls in classes:
         if cls._level.randomness == "error":
@@ -141,7 +128,7 @@ def _random_in_levels(op, args, kwargs):
                 _raise_different_inplace(op)
             size = cls._level.batch_size
             args[first] = wrap_batched(cls, args[first].expand(size, *args[first].shape), 0)
-    return op(*args, **kwargs)
+    return passed_by(op, args, kwargs)
 
 
 def _batched_at(t: torch.Tensor, cls) -> bool:
@@ -161,31 +148,15 @@ def _draw(op, args, kwargs, sizes):
             args = (*args[:i], [*sizes, *args[i]], *args[i + 1 :])
         else:
             kwargs = {**kwargs, "size": [*sizes, *kwargs["size"]]}
-        return op(*args, **kwargs)
+        return passed_by(op, args, kwargs)
     count = 1
     for s in sizes:
         count *= s
-    draws = torch.stack([op(*args, **kwargs) for _ in range(count)])
+    draws = torch.stack([passed_by(op, args, kwargs) for _ in range(count)])
     return draws.reshape(*sizes, *draws.shape[1:])
 
 
-_library = torch.library.Library("aten", "IMPL")  # kept alive for the process
 for _packet in _PACKETS | _DROPOUTS:
     for _name in _packet.overloads():
-        _op = getattr(_packet, _name)
         if "out" not in _name:
-            _library.impl(_op, _hook_kernel(_op), "PreDispatch")
-
-
-@contextlib.contextmanager
-def hook(level) -> Iterator[None]:
-    """While a vmap level is live, route random ops through :func:`_random_in_levels`."""
-    if level.randomness == "same":
-        yield
-        return
-    before = torch._C._dispatch_tls_is_dispatch_key_included(_PRE_DISPATCH)
-    torch._C._dispatch_tls_set_dispatch_key_included(_PRE_DISPATCH, True)
-    try:
-        yield
-    finally:
-        torch._C._dispatch_tls_set_dispatch_key_included(_PRE_DISPATCH, before)
+            intercept(getattr(_packet, _name), _random_in_levels)

@@ -1,0 +1,80 @@
+"""Rules for composite ops, applied before the op decomposes into smaller aten ops.
+
+``F.linear`` on a batched vector decomposes into view + addmm + view: three trips
+through the level. Caught whole (see predispatch.py), it is one physical ``linear`` on
+the batch. A composite rule has the usual signature and may return ``NotImplemented``
+to let the op decompose as usual, its pieces batched one by one.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from torchlevels._level import LevelTensor
+from torchlevels.batching.dims import pad_to_rank, to_front
+from torchlevels.batching.predispatch import intercept, passed_by
+
+aten = torch.ops.aten
+
+
+def _deepest_level(args: tuple) -> type[LevelTensor] | None:
+    """The class of the innermost level among the tensor arguments, if they nest."""
+    found = None
+    for a in args:
+        for t in a if isinstance(a, (list, tuple)) else (a,):
+            cls = type(t)
+            if not issubclass(cls, LevelTensor) or cls is found:
+                continue
+            if found is None or issubclass(cls, found):
+                found = cls
+            elif not issubclass(found, cls):
+                return None  # unrelated levels: let the usual path report it
+    return found
+
+
+def composite_rule(*ops):
+    """Register ``rule`` for composite ``ops``, tried before they decompose under vmap."""
+
+    def deco(rule):
+        def handler(op, args, kwargs):
+            cls = _deepest_level(args)
+            if cls is None or not cls._level.alive or not hasattr(cls._level, "composite"):
+                return passed_by(op, args, kwargs)
+            return cls._level.composite(cls, op, rule, args, kwargs)
+
+        for op in ops:
+            intercept(op, handler)
+        return rule
+
+    return deco
+
+
+@composite_rule(aten.linear.default)
+def linear(func, args, dims, kwargs):
+    """Batched input, shared weight and bias: one linear over the batch (it takes any rank)."""
+    x, weight, *bias = args
+    if dims[0] is None or any(d is not None for d in dims[1:]):
+        return NotImplemented
+    return torch.nn.functional.linear(to_front(x, dims[0]), weight, *bias), 0
+
+
+@composite_rule(aten.matmul.default)
+def matmul(func, args, dims, kwargs):
+    """One matmul: vectors become matrices, batched operands get the batch dim first."""
+    (a, b), (da, db) = args, dims
+    rank_a, rank_b = a.dim() - (da is not None), b.dim() - (db is not None)
+    if rank_a == 0 or rank_b == 0:
+        return NotImplemented  # torch raises for these: let the decomposition say so
+    a = to_front(a, da).unsqueeze(-2) if rank_a == 1 else to_front(a, da)
+    b = to_front(b, db).unsqueeze(-1) if rank_b == 1 else to_front(b, db)
+    rank = max(rank_a, rank_b, 2)
+    if da is not None:
+        a = pad_to_rank(a, rank)
+    if db is not None:
+        b = pad_to_rank(b, rank)
+    out = torch.matmul(a, b)
+    if rank_b == 1:
+        out = out.squeeze(-1)
+    if rank_a == 1:
+        out = out.squeeze(-1 if rank_b == 1 else -2)
+    return out, 0
