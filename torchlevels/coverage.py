@@ -22,6 +22,7 @@ from torch._ops import OpOverload
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import torchlevels.vmap  # noqa: F401  (registers every batching rule)
+from torchlevels.batching.composite import composite_ops
 from torchlevels.batching.registry import How, resolve
 
 COMMAND = "python -m torchlevels.coverage"
@@ -170,8 +171,13 @@ def render(rows: list[Row], n_opinfos: int, samples_per_op: int) -> str:
     lines += [
         f"{len(factories)} of the ops take no tensor argument (factories such as "
         "`aten.empty.memory_format`; marked *factory* below): no vmap level's "
-        "`__torch_dispatch__` ever sees them (random factories are handled by the random "
-        "module's hook instead), so their \"how\" does not matter in practice.",
+        "`__torch_dispatch__` ever sees them (random factories are intercepted before "
+        "dispatch instead, see `batching/predispatch.py`), so their \"how\" does not "
+        "matter in practice.",
+        "",
+        "Composite ops never reach `__torch_dispatch__` whole, so they are not listed; "
+        "those with a rule of their own, applied before they decompose "
+        "(`batching/composite.py`): " + ", ".join(f"`{op}`" for op in composite_ops()) + ".",
         "",
     ]
     loops = [r for r in ranked if r.how is How.LOOP and not r.factory]

@@ -32,6 +32,14 @@ def _deepest_level(args: tuple) -> type[LevelTensor] | None:
     return found
 
 
+_ops: list = []
+
+
+def composite_ops() -> list:
+    """The composite ops that have a rule of their own."""
+    return list(_ops)
+
+
 def composite_rule(*ops):
     """Register ``rule`` for composite ``ops``, tried before they decompose under vmap."""
 
@@ -44,6 +52,7 @@ def composite_rule(*ops):
 
         for op in ops:
             intercept(op, handler)
+            _ops.append(op)
         return rule
 
     return deco
