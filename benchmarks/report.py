@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.groups import PLAIN, TORCH_FUNC, TORCHLEVELS, Benchmark, Group
+from benchmarks.groups import FLOOR, PLAIN, TORCH_FUNC, TORCHLEVELS, Benchmark, Group
 from benchmarks.timing import Timing
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -87,8 +87,9 @@ def plot_group(key: str, group: Group, results: list[Result]) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    impls = [PLAIN, TORCH_FUNC, TORCHLEVELS]
-    colors = {PLAIN: "#999999", TORCH_FUNC: "#4c72b0", TORCHLEVELS: "#dd8452"}
+    impls = [i for i in (PLAIN, TORCH_FUNC, FLOOR, TORCHLEVELS)
+             if all(i in r.timings for r in results)]
+    colors = {PLAIN: "#999999", TORCH_FUNC: "#4c72b0", FLOOR: "#c4ad66", TORCHLEVELS: "#dd8452"}
     height = 0.8 / len(impls)
     fig, ax = plt.subplots(figsize=(8, 1.8 + 1.2 * len(results)))
     for j, impl in enumerate(impls):
@@ -172,10 +173,28 @@ def render(results: dict[str, list[Result]], groups: dict[str, Group], info: dic
             noise = ", ".join(f"{k} {v.spread:.0%}" for k, v in r.timings.items())
             lines.append(f"- {r.benchmark.name}: {rounds} rounds; interquartile spread / "
                          f"median: {noise}.")
+            if FLOOR in r.timings:
+                floor = r.timings[FLOOR].median
+                lines.append(
+                    f"  The floor: a minimal `__torch_dispatch__` wrapper that only unwraps, "
+                    f"calls and rewraps (no levels, no rule lookup; `_MinimalBatched` in "
+                    f"benchmarks/groups.py) takes {fmt_time(floor)}, "
+                    f"{floor / t_func(r):.2f}x torch.func, timed in the same rounds. Any "
+                    f"design that dispatches each op through Python pays at least this; "
+                    f"torchlevels is {t_ours(r) / floor:.2f}x the floor."
+                )
             if r.batching:
                 how = "; ".join(f"`{op}` {h}" for op, h in r.batching.items())
                 lines.append(f"  How torchlevels batched the ops reaching its level: {how}.")
     return "\n".join(lines) + "\n"
+
+
+def t_func(r: Result) -> float:
+    return r.timings[TORCH_FUNC].median
+
+
+def t_ours(r: Result) -> float:
+    return r.timings[TORCHLEVELS].median
 
 
 def _target(r: Result) -> str:
