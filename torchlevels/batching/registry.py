@@ -142,6 +142,11 @@ def registered_ops() -> Iterable[OpOverload | OpOverloadPacket]:
 _warned: set[OpOverload] = set()
 
 
+def reset_loop_warnings() -> None:
+    """Let the slow loop warn again for ops it already warned about (for tests)."""
+    _warned.clear()
+
+
 def loop_rule(func: OpOverload, args: tuple, dims: tuple, kwargs: dict) -> tuple[Any, Any]:
     """The fallback: run ``func`` once per example and stack the results (slow, warns)."""
     if func not in _warned:
