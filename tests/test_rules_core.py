@@ -4,36 +4,24 @@ Each case runs under torchlevels.vmap, torch.func.vmap and a Python loop + stack
 several in_dims, and must not fall back to the slow per-example loop.
 """
 
-import warnings
-
 import pytest
 import torch
 from torch.func import vmap as func_vmap
+from vmap_reference import check_vmap, loop_reference
 
 from torchlevels import vmap
 
-torch.manual_seed(0)
-
-
-def loop(f, in_dims, *args):
-    size = next(a.shape[d] for a, d in zip(args, in_dims) if d is not None)
-    rows = [f(*(a if d is None else a.select(d, b) for a, d in zip(args, in_dims)))
-            for b in range(size)]
-    if isinstance(rows[0], tuple):
-        return tuple(torch.stack(r) for r in zip(*rows))
-    return torch.stack(rows)
-
 
 def check(f, *shapes, in_dims=None):
-    """f under vmap equals torch.func and the loop, for each in_dims pattern given."""
+    """f under vmap equals torch.func and the loop, for each in_dims pattern given.
+
+    Each pattern gets fresh ``torch.randn`` inputs of ``shapes``; the default patterns are
+    everything batched at 0, then everything batched at -1. Any warning fails.
+    """
     patterns = in_dims or [(0,) * len(shapes), (-1,) * len(shapes)]
     for dims in patterns:
         args = [torch.randn(s) for s in shapes]
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")  # the slow loop warns: that is a failure here
-            ours = vmap(f, in_dims=dims)(*args)
-        torch.testing.assert_close(ours, func_vmap(f, in_dims=dims)(*args), equal_nan=True)
-        torch.testing.assert_close(ours, loop(f, dims, *args), equal_nan=True)
+        check_vmap(f, *args, in_dims=dims, equal_nan=True, warnings_are_errors=True)
 
 
 VIEWS = {
@@ -132,7 +120,7 @@ def test_argmax_keepdim_without_dim_matches_eager():
     # torch.func.vmap returns (B, 1) here although eager gives (1, 1) per example
     x = torch.randn(3, 4, 5)
     f = lambda v: v.argmax(keepdim=True)
-    torch.testing.assert_close(vmap(f)(x), loop(f, (0,), x))
+    torch.testing.assert_close(vmap(f)(x), loop_reference(f, (x,), (0,)))
 
 
 @pytest.mark.parametrize("name", ["sum_all", "sum_keepdim", "softmax", "cumsum", "max_all"])
@@ -164,11 +152,7 @@ def test_pointwise(name):
     for dims in patterns:
         args = [torch.randn(s) for s in shapes]
         args = [a if d is not None else a[0] for a, d in zip(args, dims)]
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")
-            ours = vmap(f, in_dims=dims)(*args)
-        torch.testing.assert_close(ours, func_vmap(f, in_dims=dims)(*args))
-        torch.testing.assert_close(ours, loop(f, dims, *args))
+        check_vmap(f, *args, in_dims=dims, warnings_are_errors=True)
 
 
 def test_pointwise_mixed_dtypes_and_int_tensors():
@@ -194,11 +178,7 @@ def test_matmul_composite_rule(rank_a, rank_b, dims):
             full = list(shape)
             full.insert(d % (len(shape) + 1), 3)
             args.append(torch.randn(full))
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        ours = vmap(torch.matmul, in_dims=dims)(*args)
-    torch.testing.assert_close(ours, func_vmap(torch.matmul, in_dims=dims)(*args))
-    torch.testing.assert_close(ours, loop(torch.matmul, dims, *args))
+    check_vmap(torch.matmul, *args, in_dims=dims, warnings_are_errors=True)
 
 
 @pytest.mark.parametrize("batched", [(0, None, None), (0, 0, None), (0, None, 0), (None, 0, 0)])
@@ -206,5 +186,5 @@ def test_linear_composite_rule(batched):
     x, w, b = torch.randn(3, 4, 5), torch.randn(3, 6, 5), torch.randn(3, 6)
     args = [a if d is not None else a[0] for a, d in zip((x, w, b), batched)]
     ours = vmap(torch.nn.functional.linear, in_dims=batched)(*args)
-    torch.testing.assert_close(ours, loop(torch.nn.functional.linear, batched, *args))
+    torch.testing.assert_close(ours, loop_reference(torch.nn.functional.linear, args, batched))
     torch.testing.assert_close(ours, func_vmap(torch.nn.functional.linear, in_dims=batched)(*args))

@@ -3,27 +3,19 @@
 from __future__ import annotations
 
 import itertools
-import warnings
 
 import pytest
 import torch
 from torch.testing import assert_close
+from vmap_reference import loop_reference, vmap_without_slow_loop
 
 import torchlevels
-from torchlevels.batching import registry
 
 aten = torch.ops.aten
 # torch.func's own slow-path warnings are noise here; ours are checked in run_ours
 pytestmark = pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")
 B = 3
 DIMS = (None, 0, -1)  # unbatched, batched in front, batched last
-
-
-@pytest.fixture(autouse=True)
-def _fresh_warnings(monkeypatch):
-    # the loop warns once per op; forget earlier warnings so every test can see its own
-    monkeypatch.setattr(registry, "_warned", set())
-    torch.manual_seed(0)
 
 
 def batched(make, d):
@@ -42,21 +34,9 @@ def _clone(args):
     return [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
 
 
-def _loop(fn, args, in_dims):
-    outs = []
-    for b in range(B):
-        outs.append(fn(*[a if d is None else a.select(d, b) for a, d in zip(args, in_dims)]))
-    return torch.stack(outs)
-
-
 def run_ours(fn, args, in_dims):
     """torchlevels.vmap, failing if any op fell back to the slow loop."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        out = torchlevels.vmap(fn, in_dims=in_dims)(*args)
-    slow = [str(w.message) for w in caught if "no batching rule" in str(w.message)]
-    assert not slow, slow
-    return out
+    return vmap_without_slow_loop(fn, *args, in_dims=in_dims)
 
 
 def check(fn, args, in_dims, ref_fn=None, torch_func=True):
@@ -69,7 +49,7 @@ def check(fn, args, in_dims, ref_fn=None, torch_func=True):
     in_dims = tuple(in_dims)
     ours_args, ref_args, loop_args = _clone(args), _clone(args), _clone(args)
     ours = run_ours(fn, ours_args, in_dims)
-    loop = _loop(fn, loop_args, in_dims)
+    loop = loop_reference(fn, loop_args, in_dims)
     assert_close(ours, loop)
     assert_close(ours_args, loop_args)
     if torch_func:
@@ -530,7 +510,7 @@ def test_embedding_grad_through_vmap(padding_idx):
         return torch.autograd.grad(vm(embed)(indices, w), w, cot)[0]
 
     ours = weight_grad(torchlevels.vmap)
-    assert_close(ours, weight_grad(lambda f: lambda i, w: _loop(f, [i, w], (0, 0))))
+    assert_close(ours, weight_grad(lambda f: lambda i, w: loop_reference(f, [i, w], (0, 0))))
     if padding_idx is None:  # torch.func lets the padding row of examples 1.. get gradient
         assert_close(ours, weight_grad(torch.func.vmap))
 
@@ -570,10 +550,7 @@ def test_nested_vmap(inner_dims):
     xs = torch.randn((2, 3, 6, 6) if inner_dims[0] is not None else (2, 6, 6))
     ii = torch.randint(0, 6, (3, 2, 3) if inner_dims[1] is not None else (2, 3))
     outer_dims = (0, 1 if inner_dims[1] is not None else 0)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        ours = torchlevels.vmap(torchlevels.vmap(f, inner_dims), outer_dims)(xs, ii)
-    assert not [w for w in caught if "no batching rule" in str(w.message)]
+    ours = run_ours(torchlevels.vmap(f, inner_dims), [xs, ii], outer_dims)
     ref = torch.func.vmap(torch.func.vmap(f, inner_dims), outer_dims)(xs, ii)
     assert_close(ours, ref)
     inner = torch.func.vmap(f, inner_dims)  # one level checked by the tests above

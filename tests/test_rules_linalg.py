@@ -9,11 +9,10 @@ so LAPACK gives the same factorization batched or one matrix at a time.
 from __future__ import annotations
 
 import functools
-import warnings
 
 import pytest
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from vmap_reference import check_vmap
 
 from torchlevels import vmap
 from torchlevels.batching import registry
@@ -22,12 +21,6 @@ aten = torch.ops.aten
 B = 3
 N = 4
 linalg = torch.linalg
-
-
-@pytest.fixture(autouse=True)
-def _fresh():
-    registry._warned.clear()  # the loop warns once per op and process: re-arm it
-    torch.manual_seed(0)
 
 
 def at(x, dim):
@@ -55,32 +48,11 @@ def triangular(*batch, n=N, upper=False):
     return a.triu() if upper else a.tril()
 
 
-def loop(f, args, in_dims):
-    outs = [f(*(a if d is None else a.select(d, i) for a, d in zip(args, in_dims)))
-            for i in range(B)]
-    _, spec = tree_flatten(outs[0])
-    per = [tree_flatten(o)[0] for o in outs]
-    return tree_unflatten([torch.stack(parts) for parts in zip(*per)], spec)
-
-
-def check(f, *args, in_dims=0, atol=1e-7, rtol=1e-6, against_func=True):
-    """``vmap(f)`` equals the loop and ``torch.func.vmap(f)``, and never runs the slow loop.
-
-    With ``against_func=False`` only the loop is the reference: torch.func.vmap rejects
-    some valid broadcasts (linalg.solve with A (2, n, n) and B (n, k)) and batches
-    LAPACK's empty placeholder outputs differently from a loop.
-    """
-    in_dims = in_dims if isinstance(in_dims, tuple) else (in_dims,) * len(args)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        got = vmap(f, in_dims)(*args)
-    slow = [str(w.message) for w in caught if "no batching rule" in str(w.message)]
-    assert not slow, slow
-    torch.testing.assert_close(got, loop(f, args, in_dims), atol=atol, rtol=rtol)
-    if against_func:
-        want = torch.func.vmap(f, in_dims)(*args)
-        torch.testing.assert_close(got, want, atol=atol, rtol=rtol)
-    return got
+# vmap(f) == the loop and torch.func.vmap(f), no slow loop; returns vmap(f)'s result. With
+# ``against_func=False`` only the loop is the reference: torch.func.vmap rejects some valid
+# broadcasts (linalg.solve with A (2, n, n) and B (n, k)) and batches LAPACK's empty
+# placeholder outputs differently from a loop.
+check = functools.partial(check_vmap, atol=1e-7, rtol=1e-6)
 
 
 DIMS1 = [0, 1, -1]  # where the batch dim of a single input sits

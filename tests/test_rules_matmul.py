@@ -7,25 +7,19 @@ if any op fell to the slow per-example loop.
 
 from __future__ import annotations
 
+import functools
 import itertools
-import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from vmap_reference import check_vmap, loop_reference
 
 from torchlevels import vmap
 from torchlevels.batching import registry
 
 aten = torch.ops.aten
 B = 3
-
-
-@pytest.fixture(autouse=True)
-def _fresh():
-    registry._warned.clear()  # the loop warns once per op and process: re-arm it
-    torch.manual_seed(0)
 
 
 def batched(shape, dim, dtype=torch.float64):
@@ -36,27 +30,8 @@ def batched(shape, dim, dtype=torch.float64):
     return x.movedim(0, dim)
 
 
-def loop(f, args, in_dims):
-    outs = [f(*(a if d is None else a.select(d, i) for a, d in zip(args, in_dims)))
-            for i in range(B)]
-    flat, spec = tree_flatten(outs[0])
-    per = [tree_flatten(o)[0] for o in outs]
-    return tree_unflatten([torch.stack(parts) for parts in zip(*per)], spec)
-
-
-def check(f, *args, in_dims=0, atol=1e-8, rtol=1e-6, against_func=True):
-    """``vmap(f)`` equals ``torch.func.vmap(f)`` and the loop, and never runs the slow loop."""
-    in_dims = in_dims if isinstance(in_dims, tuple) else (in_dims,) * len(args)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        got = vmap(f, in_dims)(*args)
-    slow = [str(w.message) for w in caught if "no batching rule" in str(w.message)]
-    assert not slow, slow
-    if against_func:
-        want = torch.func.vmap(f, in_dims)(*args)
-        torch.testing.assert_close(got, want, atol=atol, rtol=rtol)
-    torch.testing.assert_close(got, loop(f, args, in_dims), atol=atol, rtol=rtol)
-    return got
+# vmap(f) == torch.func.vmap(f) == the loop, no slow loop; returns vmap(f)'s result
+check = functools.partial(check_vmap, atol=1e-8, rtol=1e-6)
 
 
 def dim_combos(ranks):
@@ -228,10 +203,7 @@ def test_nested_mm(inner, outer):
     got = vmap(vmap(torch.mm, inner), outer)(*args)
     want = torch.func.vmap(torch.func.vmap(torch.mm, inner), outer)(*args)
     torch.testing.assert_close(got, want)
-    looped = torch.stack([
-        loop(torch.mm, [a if d is None else a.select(d, j) for a, d in zip(args, outer)], inner)
-        for j in range(2)
-    ])
+    looped = loop_reference(lambda *a: loop_reference(torch.mm, a, inner), args, outer)
     torch.testing.assert_close(got, looped)
 
 

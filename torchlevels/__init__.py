@@ -1,13 +1,38 @@
 """torchlevels: composable function transforms where every level is a fresh Tensor subclass."""
 
 from torchlevels._level import EscapedTensorError, LevelTensor, UnrelatedLevelsError
+from torchlevels.autodiff import grad_level, jvp_level
 from torchlevels.batching.registry import register as register_batching_rule
+from torchlevels.transforms import (
+    functional_call,
+    grad,
+    grad_and_value,
+    hessian,
+    jacfwd,
+    jacrev,
+    jvp,
+    linearize,
+    stack_module_state,
+    vjp,
+)
 from torchlevels.vmap import vmap
 
 __all__ = [
     "EscapedTensorError",
     "LevelTensor",
     "UnrelatedLevelsError",
+    "functional_call",
+    "grad",
+    "grad_and_value",
+    "grad_level",
+    "hessian",
+    "jacfwd",
+    "jacrev",
+    "jvp",
+    "jvp_level",
+    "linearize",
     "register_batching_rule",
+    "stack_module_state",
+    "vjp",
     "vmap",
 ]

@@ -26,6 +26,11 @@ _innermost: contextvars.ContextVar[type[LevelTensor] | None] = contextvars.Conte
 )
 
 
+_DETACH = torch.ops.aten.detach.default
+_AUTOGRAD = torch._C.DispatchKey.AutogradFunctionality
+_autograd_excluded = torch._C._dispatch_tls_is_dispatch_key_excluded
+
+
 class EscapedTensorError(RuntimeError):
     """A tensor of a transform that has already exited was used."""
 
@@ -54,6 +59,10 @@ class Level:
         raise NotImplementedError
 
     def unwrap(self, cls: type[LevelTensor], tensor: Any, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError
+
+    def rewrap(self, cls: type[LevelTensor], tensor: Any) -> Any:
+        """A new tensor object for the same value of this level, dispatching no op."""
         raise NotImplementedError
 
     def describe(self) -> str:
@@ -117,6 +126,10 @@ class LevelTensor(torch.Tensor):
                     "tensor of one transform before using it in the other."
                 )
             return NotImplemented  # a foreign subclass: let it go first
+        if func is _DETACH and not _autograd_excluded(_AUTOGRAD):
+            # autograd's own shallow copy (a saved output), not a user's detach: keep the
+            # value and its history in every enclosing level (see DESIGN.md, the detach trap)
+            return level.rewrap(cls, args[0])
         return level.dispatch(cls, func, args, kwargs or {})
 
     def __repr__(self) -> str:

@@ -80,6 +80,10 @@ class BatchLevel(Level):
             )
         return tensor._inner.movedim(tensor._bdim, out_dim)
 
+    def rewrap(self, cls, tensor: torch.Tensor) -> torch.Tensor:
+        """A new tensor object for the same batched value (no op is dispatched)."""
+        return wrap_batched(cls, tensor._inner, tensor._bdim)
+
     # -- the hot path: one op -----------------------------------------------------------
     def dispatch(self, cls, func, args, kwargs):
         rule = resolved_by_id.get(id(func)) or resolve(func)

@@ -3,6 +3,7 @@
 from torchlevels.batching import (  # noqa: F401
     composite,
     data_dependent,
+    forward_ad,
     indexing,
     linalg,
     matmul,

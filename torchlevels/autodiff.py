@@ -1,0 +1,247 @@
+"""Reverse and forward mode as levels: the grad level and the jvp level.
+
+A **grad level**'s tensor wraps a tensor of the level outside it (its ``_inner``) that
+carries this level's autograd graph. Its ``__torch_dispatch__`` runs each op on the inner
+tensors with PyTorch's autograd switched back on, so PyTorch's own derivative formulas
+record the graph; the backward pass is one ``torch.autograd.grad`` over it. The graph
+lives on this level's inner tensors only, so each level has its own tape: when a
+backward formula runs on the tensors of an enclosing level, that level records it in
+turn, which is what makes grad(grad(f)) and vmap(grad(f)) come out right.
+
+A **jvp level**'s tensor carries a primal and a tangent (both tensors of the level
+outside). Each op makes forward-AD dual tensors of them, runs, and unpacks the result.
+PyTorch allows one dual level at a time, so nested jvp levels share it: they never
+confuse their tangents because each level's duals are made of different tensors.
+
+Two traps (see DESIGN.md): an inner tensor is never ``detach``-ed — if it belongs to an
+enclosing grad level, that level would record a gradient stop — so leaves and results
+are made with :func:`shallow_copy`, which dispatches no op; and user ``no_grad`` is
+respected because grad mode is never switched on or off behind the user's back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.autograd.forward_ad as fwAD
+
+from torchlevels._level import Level, LevelTensor, enclosing_classes, entered, new_level_class
+
+_make_wrapper_subclass = torch.Tensor._make_wrapper_subclass
+_restore_tls = torch._C._RestorePythonTLSSnapshot
+_AD_INPLACE_OR_VIEW = torch._C.DispatchKey.ADInplaceOrView
+
+
+def shallow_copy(t: Any) -> Any:
+    """``t`` as a new tensor object with no autograd history of its own, dispatching no op."""
+    if isinstance(t, LevelTensor):
+        return type(t)._level.rewrap(type(t), t)
+    if isinstance(t, torch.Tensor):
+        return t.detach()  # a plain tensor: no enclosing level can see this detach
+    return t
+
+
+def _wrap(cls, inner: torch.Tensor, tangent: torch.Tensor | None = None) -> torch.Tensor:
+    out = _make_wrapper_subclass(
+        cls, inner.shape, strides=inner.stride(), dtype=inner.dtype, device=inner.device,
+    )
+    out._inner = inner
+    out._tangent = tangent
+    return out
+
+
+def _is_inplace(func) -> bool:
+    schema = func._schema
+    first = schema.arguments[0].alias_info if schema.arguments else None
+    return bool(first and first.is_write)
+
+
+def _raise_captured_inplace(func, kind: str) -> None:
+    raise RuntimeError(
+        f"During a {kind} transform, the function attempted to call the in-place operation "
+        f"{func} that would mutate a captured Tensor (one not derived from the transform's "
+        "inputs) with a value that depends on them. Mutating captured tensors is not "
+        "supported: use the out-of-place op, or pass the tensor in as an input."
+    )
+
+
+class GradLevel(Level):
+    """One grad/vjp invocation: tracks ops on its tensors with PyTorch autograd."""
+
+    kind = "grad"
+
+    def __init__(self, name: str = "grad") -> None:
+        super().__init__()
+        self.kind = name
+        self.nested_in_grad = False  # an enclosing grad level must see our backward pass
+
+    def wrap(self, cls, tensor: torch.Tensor) -> torch.Tensor:
+        """``G(t)``: ``t`` as an input of this level (a fresh leaf of its graph)."""
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{cls.__name__}(t): t must be a Tensor, got {type(tensor)}")
+        leaf = shallow_copy(tensor)
+        if not leaf.requires_grad:
+            leaf.requires_grad_()
+        return _wrap(cls, leaf)
+
+    def unwrap(self, cls, tensor: Any) -> Any:
+        """The tensor one level out, still carrying this level's graph."""
+        return tensor._inner if type(tensor) is cls else tensor
+
+    def rewrap(self, cls, tensor: torch.Tensor) -> torch.Tensor:
+        return _wrap(cls, tensor._inner)
+
+    def dispatch(self, cls, func, args, kwargs):
+        inner_args = [_unwrap_grad(a, cls) for a in args]
+        inner_kwargs = {k: _unwrap_grad(v, cls) for k, v in kwargs.items()} if kwargs else {}
+        if _is_inplace(func) and type(args[0]) is not cls:
+            _raise_captured_inplace(func, self.kind)
+        with _restore_tls():  # autograd on again for the inner tensors, as the user set it
+            out = func(*inner_args, **inner_kwargs)
+        if _is_inplace(func):
+            return args[0]
+        return _wrap_tracked(cls, out)
+
+
+def _unwrap_grad(a: Any, cls) -> Any:
+    if type(a) is cls:
+        return a._inner
+    if type(a) in (list, tuple):
+        return type(a)(t._inner if type(t) is cls else t for t in a)
+    return a
+
+
+def _wrap_tracked(cls, out: Any) -> Any:
+    """Outputs that depend on this level's inputs become its tensors; the rest are constants."""
+    if isinstance(out, torch.Tensor):
+        return _wrap(cls, out) if out.requires_grad else out
+    if isinstance(out, (tuple, list)):
+        return type(out)(_wrap_tracked(cls, o) for o in out)
+    return out
+
+
+class JvpLevel(Level):
+    """One jvp invocation: each of its tensors carries a primal and a tangent."""
+
+    kind = "jvp"
+
+    def wrap(self, cls, primal: torch.Tensor, tangent: torch.Tensor) -> torch.Tensor:
+        """``J(primal, tangent)``: a tensor of this level."""
+        return _wrap(cls, primal, tangent)
+
+    def unwrap(self, cls, tensor: Any) -> tuple[Any, Any]:
+        """(primal, tangent) one level out; a constant has a zero tangent."""
+        if type(tensor) is cls:
+            tangent = tensor._tangent
+            return tensor._inner, torch.zeros_like(tensor._inner) if tangent is None else tangent
+        return tensor, torch.zeros_like(tensor)
+
+    def rewrap(self, cls, tensor: torch.Tensor) -> torch.Tensor:
+        return _wrap(cls, tensor._inner, tensor._tangent)
+
+    def dispatch(self, cls, func, args, kwargs):
+        if _is_inplace(func) and type(args[0]) is not cls:
+            _raise_captured_inplace(func, "jvp")
+        with _dual_level() as level, _restore_tls(), _ad_inplace_or_view():
+            dual_args = [_to_dual(a, cls, level) for a in args]
+            dual_kwargs = {k: _to_dual(v, cls, level) for k, v in kwargs.items()}
+            out = func(*dual_args, **dual_kwargs)
+            if _is_inplace(func):
+                self_ = args[0]
+                primal, tangent = fwAD.unpack_dual(dual_args[0], level=level)
+                self_._tangent = tangent
+                return self_
+            return _from_dual(cls, out, level)
+
+
+def _to_dual(a: Any, cls, level: int) -> Any:
+    if type(a) is cls:
+        if a._tangent is None:
+            return a._inner
+        return fwAD.make_dual(a._inner, a._tangent, level=level)
+    if type(a) in (list, tuple):
+        return type(a)(_to_dual(t, cls, level) for t in a)
+    return a
+
+
+def _from_dual(cls, out: Any, level: int) -> Any:
+    if isinstance(out, torch.Tensor):
+        primal, tangent = fwAD.unpack_dual(out, level=level)
+        return primal if tangent is None else _wrap(cls, primal, tangent)
+    if isinstance(out, (tuple, list)):
+        return type(out)(_from_dual(cls, o, level) for o in out)
+    return out
+
+
+@contextlib.contextmanager
+def _ad_inplace_or_view() -> Iterator[None]:
+    """make_dual needs the ADInplaceOrView key, which the TLS snapshot of some ops excludes."""
+    excluded = torch._C._dispatch_tls_is_dispatch_key_excluded(_AD_INPLACE_OR_VIEW)
+    if not excluded:
+        yield
+        return
+    torch._C._dispatch_tls_set_dispatch_key_excluded(_AD_INPLACE_OR_VIEW, False)
+    try:
+        yield
+    finally:
+        torch._C._dispatch_tls_set_dispatch_key_excluded(_AD_INPLACE_OR_VIEW, True)
+
+
+@contextlib.contextmanager
+def _dual_level() -> Iterator[int]:
+    """The active forward-AD level, entering one if none is (PyTorch allows only one)."""
+    if fwAD._current_level >= 0:
+        yield fwAD._current_level
+        return
+    with fwAD.dual_level():
+        yield fwAD._current_level
+
+
+@contextlib.contextmanager
+def grad_level(name: str = "grad") -> Iterator[type[LevelTensor]]:
+    """Enter a fresh grad level; yields its class ``G``.
+
+    ``G(x)`` makes ``x`` an input of the level; ``G.unwrap(y)`` gives ``y`` one level out,
+    carrying the level's autograd graph (differentiate it with ``torch.autograd.grad``
+    against ``G.unwrap(x)``).
+
+    Example::
+
+        >>> import torch
+        >>> from torchlevels.autodiff import grad_level
+        >>> with grad_level() as G:
+        ...     x = G(torch.tensor(3.0))
+        ...     y = x * x
+        ...     torch.autograd.grad(G.unwrap(y), G.unwrap(x))[0]
+        tensor(6.)
+    """
+    level = GradLevel(name)
+    cls = new_level_class(level, "GradTensor")
+    level.nested_in_grad = any(
+        isinstance(c._level, GradLevel) for c in enclosing_classes(cls.__base__)
+    )
+    with entered(cls), torch.enable_grad():  # grad(f) inside no_grad still differentiates
+        yield cls
+
+
+@contextlib.contextmanager
+def jvp_level() -> Iterator[type[LevelTensor]]:
+    """Enter a fresh jvp level; yields its class ``J``: ``J(primal, tangent)``,
+    ``J.unwrap(y) -> (primal, tangent)``.
+
+    Example::
+
+        >>> import torch
+        >>> from torchlevels.autodiff import jvp_level
+        >>> with jvp_level() as J:
+        ...     y = J(torch.tensor(3.0), torch.tensor(1.0)) ** 2
+        ...     J.unwrap(y)
+        (tensor(9.), tensor(6.))
+    """
+    level = JvpLevel()
+    cls = new_level_class(level, "DualTensor")
+    with entered(cls), _dual_level():
+        yield cls

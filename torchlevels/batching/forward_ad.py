@@ -1,0 +1,49 @@
+"""Ops that forward-mode AD calls by itself (make_dual's layout checks) on batched tensors."""
+
+from __future__ import annotations
+
+import torch
+
+from torchlevels.batching.dims import materialize
+from torchlevels.batching.registry import batch_size, register
+
+aten = torch.ops.aten
+
+
+@register(aten._has_same_storage_numel)
+def has_same_storage_numel(func, args, dims, kwargs):
+    """Compare the storage each example sees (see :func:`example_storage_numel`)."""
+    (a, b), (da, db) = args, dims
+    na, nb = example_storage_numel(a, da), example_storage_numel(b, db)
+    return (na is not None and na == nb), None
+
+
+def example_storage_numel(t: torch.Tensor, bdim: int | None) -> int | None:
+    """The storage size one example of ``t`` sees, or None when examples share no layout.
+
+    A batched tensor whose batch dim is outermost in its storage gives each example a
+    slab of ``stride(bdim)`` elements; wrappers of other levels see their inner storage.
+    """
+    n = _storage_numel(t)
+    if bdim is None or n is None:
+        return n
+    size, stride = t.shape[bdim], t.stride(bdim)
+    return stride if size > 0 and stride * size == n else None
+
+
+def _storage_numel(t: torch.Tensor) -> int | None:
+    from torchlevels._level import LevelTensor
+
+    if isinstance(t, LevelTensor):
+        return example_storage_numel(t._inner, getattr(t, "_bdim", None))
+    return t.untyped_storage().nbytes() // t.element_size()
+
+
+@register(aten._new_zeros_with_same_feature_meta)
+def new_zeros_with_same_feature_meta(func, args, dims, kwargs):
+    """Zeros with ``other``'s (logical) layout after ``self``'s batch dims, plus ours first."""
+    self, other = args
+    size = batch_size(args, dims)
+    sample = other if dims[1] is None else other.select(dims[1], 0)  # logical layout of other
+    n = kwargs.get("self_num_batch_dims", 0)
+    return func(materialize(self, dims[0], size), sample, self_num_batch_dims=n + 1), 0

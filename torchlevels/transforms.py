@@ -1,0 +1,418 @@
+"""The autodiff transforms: thin public functions over the grad and jvp levels.
+
+Same signatures, results and error messages as torch.func. Each call enters a fresh
+level (autodiff.py), so they compose with vmap and with each other in any order.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch._functorch.eager_transforms import _replace_args, _slice_argnums
+from torch.func import functional_call, stack_module_state
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from torchlevels._level import enclosing_classes, innermost
+from torchlevels.autodiff import GradLevel, grad_level, jvp_level, shallow_copy
+from torchlevels.vmap import vmap
+
+__all__ = [
+    "functional_call", "grad", "grad_and_value", "hessian", "jacfwd", "jacrev", "jvp",
+    "linearize", "stack_module_state", "vjp",
+]
+
+
+def _inputs(api: str, flat: list) -> None:
+    for t in flat:
+        if not isinstance(t, torch.Tensor):
+            raise RuntimeError(f"{api}: Expected inputs to be Tensors, got {type(t)}")
+        if not (t.is_floating_point() or t.is_complex()):
+            raise RuntimeError(
+                f"{api}: inputs must be floating-point or complex Tensors to be "
+                f"differentiated, got one of dtype {t.dtype}. Pass it as a non-differentiated "
+                "argument (see argnums) or convert it with .float()."
+            )
+
+
+def _leaf_source(t: torch.Tensor) -> torch.Tensor:
+    # a plain tensor that requires grad keeps its history, so autograd outside still works
+    return t.view_as(t) if t.requires_grad and not hasattr(t, "_level") else t
+
+
+def _needs_graph(level: GradLevel, inputs: list) -> bool:
+    """Whether the backward pass itself must be recorded (higher order or autograd outside)."""
+    return torch.is_grad_enabled() and (
+        level.nested_in_grad or any(t.requires_grad for t in inputs)
+    )
+
+
+def _grad_level_live() -> bool:
+    return any(isinstance(c._level, GradLevel) for c in enclosing_classes(innermost()))
+
+
+def _split_aux(api: str, out: Any, has_aux: bool) -> tuple[Any, Any]:
+    if not has_aux:
+        return out, None
+    if not (isinstance(out, tuple) and len(out) == 2):
+        raise RuntimeError(
+            f"{api}(f, ...)(*args): output of function f should be a tuple: (output, aux) "
+            "if has_aux is True"
+        )
+    return out
+
+
+def grad_and_value(func: Callable, argnums: int | tuple[int, ...] = 0,
+                   has_aux: bool = False) -> Callable:
+    """Like :func:`grad`, but also returns the value: ``(gradient, value)``
+    (``((gradient, (value, aux))`` with ``has_aux=True``).
+
+    Example::
+
+        >>> import torch
+        >>> from torchlevels import grad_and_value
+        >>> grad_and_value(lambda x: (x ** 2).sum())(torch.tensor([1.0, 2.0]))
+        (tensor([2., 4.]), tensor(5.))
+    """
+
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs):
+        with grad_level("grad") as G:
+            diff = _slice_argnums(args, argnums, as_tuple=False)
+            flat, spec = tree_flatten(diff)
+            _inputs("grad", flat)
+            wrapped = [G(_leaf_source(t)) for t in flat]
+            new_diff = tree_unflatten(wrapped, spec)
+            new_args = _replace_args(args, (new_diff,) if isinstance(argnums, int)
+                                     else new_diff, argnums)
+            out, aux = _split_aux("grad_and_value", func(*new_args, **kwargs), has_aux)
+            if not isinstance(out, torch.Tensor):
+                raise RuntimeError(
+                    "grad_and_value(f)(*args): Expected f(*args) to return a Tensor, "
+                    f"got {type(out)}"
+                )
+            if out.dim() != 0:
+                raise RuntimeError(
+                    "grad_and_value(f)(*args): Expected f(*args) to return a scalar Tensor, "
+                    f"got tensor with {out.dim()} dims. Maybe you wanted to use the vjp or "
+                    "jacrev APIs instead?"
+                )
+            level = G._level
+            keep = _needs_graph(level, flat)
+            out_inner = G.unwrap(out)
+            leaves = [w._inner for w in wrapped]
+            grads = [None] * len(leaves)
+            if isinstance(out_inner, torch.Tensor) and out_inner.requires_grad:
+                grads = list(torch.autograd.grad(out_inner, leaves, allow_unused=True,
+                                                 create_graph=keep))
+            grads = [torch.zeros_like(t) if g is None else g for g, t in zip(grads, flat)]
+            value = out_inner if keep else shallow_copy(out_inner)
+            if has_aux:
+                aux = tree_map(lambda a: _out_of(G, a, keep), aux)
+                value = (value, aux)
+        return tree_unflatten(grads, spec), value
+
+    return wrapper
+
+
+def _out_of(G, t: Any, keep: bool) -> Any:
+    if not isinstance(t, torch.Tensor):
+        return t
+    inner = G.unwrap(t)
+    return inner if keep else shallow_copy(inner)
+
+
+def grad(func: Callable, argnums: int | tuple[int, ...] = 0, has_aux: bool = False) -> Callable:
+    """The gradient of a scalar-valued ``func`` with respect to the inputs at ``argnums``.
+
+    A drop-in for ``torch.func.grad``: ``argnums`` is an int or a tuple of ints (the
+    gradient has the same structure: pytrees of tensors are fine), ``has_aux=True`` means
+    ``func`` returns ``(output, aux)`` and the result is ``(gradient, aux)``. Composes with
+    every other transform, to any depth.
+
+    Example::
+
+        >>> import torch
+        >>> from torchlevels import grad, vmap
+        >>> grad(lambda x: x.sin().sum())(torch.tensor([0.0, 1.0]))
+        tensor([1.0000, 0.5403])
+        >>> grad(lambda x: x * grad(lambda y: x * y)(torch.tensor(1.0)))(torch.tensor(3.0))
+        tensor(6.)
+        >>> vmap(grad(lambda x: (x ** 3).sum()))(torch.ones(2, 2))  # per-example gradients
+        tensor([[3., 3.],
+                [3., 3.]])
+    """
+    g_and_v = grad_and_value(func, argnums, has_aux)
+
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs):
+        gradient, value = g_and_v(*args, **kwargs)
+        return (gradient, value[1]) if has_aux else gradient
+
+    return wrapper
+
+
+def vjp(func: Callable, *primals: Any, has_aux: bool = False) -> tuple:
+    """``(func(*primals), vjp_fn)``: ``vjp_fn(cotangents)`` is the vector-Jacobian product.
+
+    ``cotangents`` has the structure of ``func``'s output; ``vjp_fn`` returns a tuple with
+    one entry per primal. With ``has_aux=True`` the result is ``(output, vjp_fn, aux)``.
+
+    Example::
+
+        >>> import torch
+        >>> from torchlevels import vjp
+        >>> out, vjp_fn = vjp(torch.sin, torch.tensor([0.0, 1.0]))
+        >>> vjp_fn(torch.ones(2))
+        (tensor([1.0000, 0.5403]),)
+    """
+    with grad_level("vjp") as G:
+        flat, spec = tree_flatten(primals)
+        _inputs("vjp", flat)
+        wrapped = [G(_leaf_source(t)) for t in flat]
+        out, aux = _split_aux("vjp", func(*tree_unflatten(wrapped, spec)), has_aux)
+        flat_out, out_spec = tree_flatten(out)
+        for o in flat_out:
+            if not isinstance(o, torch.Tensor):
+                raise RuntimeError(
+                    "vjp(f, *primals): Expected f to be a function that has only Tensor "
+                    f"outputs, got {type(o)}"
+                )
+        keep = _needs_graph(G._level, flat)
+        out_inners = [G.unwrap(o) for o in flat_out]
+        leaves = [w._inner for w in wrapped]
+        results = tree_unflatten([o if keep else shallow_copy(o) for o in out_inners], out_spec)
+        if has_aux:
+            aux = tree_map(lambda a: _out_of(G, a, keep), aux)
+    inputs_require_grad = any(t.requires_grad for t in flat)
+
+    def vjp_fn(cotangents: Any) -> tuple:
+        flat_ct, ct_spec = tree_flatten(cotangents)
+        if ct_spec != out_spec:
+            raise RuntimeError(
+                "Expected pytree structure of cotangents to be the same as pytree structure "
+                f"of outputs to the function. cotangents: {ct_spec}, primal output: {out_spec}"
+            )
+        tracked = [(o, c) for o, c in zip(out_inners, flat_ct) if o.requires_grad]
+        grads = [None] * len(leaves)
+        if tracked:
+            create_graph = torch.is_grad_enabled() and (
+                inputs_require_grad or _grad_level_live()
+                or any(c.requires_grad for _, c in tracked)
+            )
+            grads = list(torch.autograd.grad(
+                [o for o, _ in tracked], leaves, [c for _, c in tracked], retain_graph=True,
+                create_graph=create_graph, allow_unused=True,
+            ))
+        grads = [torch.zeros_like(t) if g is None else g for g, t in zip(grads, flat)]
+        return tuple(tree_unflatten(grads, spec))
+
+    return (results, vjp_fn, aux) if has_aux else (results, vjp_fn)
+
+
+def jvp(func: Callable, primals: Any, tangents: Any, *, strict: bool = False,
+        has_aux: bool = False) -> tuple:
+    """``(func(*primals), jvp_out)``: the Jacobian-vector product along ``tangents``.
+
+    ``primals`` and ``tangents`` are tuples of the same structure. With ``has_aux=True``
+    the result is ``(output, jvp_out, aux)``.
+
+    Example::
+
+        >>> import torch
+        >>> from torchlevels import jvp
+        >>> jvp(torch.sin, (torch.tensor([0.0, 1.0]),), (torch.ones(2),))
+        (tensor([0.0000, 0.8415]), tensor([1.0000, 0.5403]))
+    """
+    if not isinstance(primals, tuple):
+        raise RuntimeError(
+            f"jvp(f, primals, tangents): Expected primals to be a tuple. E.g. it should be "
+            f"valid to call f(*primals). Got {type(primals)}"
+        )
+    flat_p, spec_p = tree_flatten(primals)
+    flat_t, spec_t = tree_flatten(tangents)
+    if spec_p != spec_t:
+        raise RuntimeError(
+            "jvp(f, primals, tangents): Expected primals and tangents to have the same python "
+            f"structure. For example, if primals is a tuple of 3 tensors, tangents also must "
+            f"be. Got primals with structure {spec_p} and tangents with structure {spec_t}"
+        )
+    _inputs("jvp", flat_p)
+    for p, t in zip(flat_p, flat_t):
+        if not isinstance(t, torch.Tensor) or p.shape != t.shape:
+            raise RuntimeError(
+                "jvp(f, primals, tangents): Expected primals and tangents to have the same "
+                f"shapes, got {p.shape} and {getattr(t, 'shape', type(t))}"
+            )
+    with jvp_level() as J:
+        wrapped = [J(p, t) for p, t in zip(flat_p, flat_t)]
+        out, aux = _split_aux("jvp", func(*tree_unflatten(wrapped, spec_p)), has_aux)
+        flat_out, out_spec = tree_flatten(out)
+        pairs = []
+        for o in flat_out:
+            if not isinstance(o, torch.Tensor):
+                raise RuntimeError(
+                    "jvp(f, primals, tangents): expected f(*args) to return only tensors, "
+                    f"got unsupported type {type(o)}"
+                )
+            if strict and type(o) is not J:
+                raise RuntimeError(
+                    "jvp(f, primals, tangents, strict=True): The output of f is independent "
+                    "of the inputs. This is not allowed with strict=True."
+                )
+            pairs.append(J.unwrap(o))
+        if has_aux:
+            aux = tree_map(lambda a: J.unwrap(a)[0] if isinstance(a, torch.Tensor) else a, aux)
+    primals_out = tree_unflatten([p for p, _ in pairs], out_spec)
+    tangents_out = tree_unflatten([t for _, t in pairs], out_spec)
+    return (primals_out, tangents_out, aux) if has_aux else (primals_out, tangents_out)
+
+
+def linearize(func: Callable, *primals: Any) -> tuple[Any, Callable]:
+    """``(func(*primals), jvp_fn)`` where ``jvp_fn(*tangents)`` is the JVP at ``primals``.
+
+    Example::
+
+        >>> import torch
+        >>> from torchlevels import linearize
+        >>> out, jvp_fn = linearize(torch.sin, torch.tensor([0.0, 1.0]))
+        >>> jvp_fn(torch.ones(2))
+        tensor([1.0000, 0.5403])
+    """
+    out = func(*primals)
+
+    def jvp_fn(*tangents: Any) -> Any:
+        return jvp(func, primals, tangents)[1]
+
+    return out, jvp_fn
+
+
+def _as_tuple(x: Any) -> tuple:
+    return x if isinstance(x, tuple) else (x,)
+
+
+def jacrev(func: Callable, argnums: int | tuple[int, ...] = 0, *, has_aux: bool = False,
+           chunk_size: int | None = None, _preallocate_and_copy: bool = False) -> Callable:
+    """The Jacobian of ``func`` with respect to ``argnums``, by reverse mode (vmap over vjp).
+
+    The result nests like torch.func's: the output's structure outside, ``argnums``'
+    inside; each block has shape ``output.shape + input.shape``.
+
+    Example::
+
+        >>> import torch
+        >>> from torchlevels import jacrev
+        >>> jacrev(torch.sin)(torch.tensor([0.0, 1.0]))
+        tensor([[1.0000, 0.0000],
+                [0.0000, 0.5403]])
+    """
+    if chunk_size is not None and chunk_size <= 0:
+        raise ValueError("jacrev: `chunk_size` should be greater than 0.")
+
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs):
+        diff = _slice_argnums(args, argnums)
+        flat_in, in_spec = tree_flatten(diff)
+
+        def partial(*diff_args):
+            return func(*_replace_args(args, diff_args, argnums), **kwargs)
+
+        result = vjp(partial, *diff, has_aux=has_aux)
+        out, vjp_fn = result[0], result[1]
+        flat_out, out_spec = tree_flatten(out)
+        basis = _basis(flat_out)
+        rows = vmap(lambda *cts: vjp_fn(tree_unflatten(list(cts), out_spec)),
+                    chunk_size=chunk_size)(*basis)
+        flat_rows = tree_flatten(rows)[0]  # one per input: (sum of out numels, *input.shape)
+        blocks = []
+        for o, pieces in zip(flat_out, _split_rows(flat_rows, flat_out)):
+            per_input = [p.reshape(*o.shape, *t.shape) for p, t in zip(pieces, flat_in)]
+            inputs_tree = tree_unflatten(per_input, in_spec)
+            blocks.append(inputs_tree[0] if isinstance(argnums, int) else inputs_tree)
+        jac = tree_unflatten(blocks, out_spec)
+        return (jac, result[2]) if has_aux else jac
+
+    return wrapper
+
+
+def _basis(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """One-hot rows for all ``tensors`` at once: entry i is (total numel, *tensors[i].shape)."""
+    total = sum(t.numel() for t in tensors)
+    eye = torch.eye(total, dtype=tensors[0].dtype, device=tensors[0].device)
+    out, start = [], 0
+    for t in tensors:
+        out.append(eye[:, start:start + t.numel()].to(t.dtype).reshape(total, *t.shape))
+        start += t.numel()
+    return out
+
+
+def _split_rows(flat_rows: list[torch.Tensor], flat_out: list) -> list[list[torch.Tensor]]:
+    """Per output, the rows of each input's stacked gradients that belong to it."""
+    sizes = [o.numel() for o in flat_out]
+    per_input = [r.split(sizes) for r in flat_rows]
+    return [list(pieces) for pieces in zip(*per_input)]
+
+
+def jacfwd(func: Callable, argnums: int | tuple[int, ...] = 0, has_aux: bool = False, *,
+           randomness: str = "error") -> Callable:
+    """The Jacobian of ``func`` with respect to ``argnums``, by forward mode (vmap over jvp).
+
+    Same result structure as :func:`jacrev`.
+
+    Example::
+
+        >>> import torch
+        >>> from torchlevels import jacfwd
+        >>> jacfwd(torch.sin)(torch.tensor([0.0, 1.0]))
+        tensor([[1.0000, 0.0000],
+                [0.0000, 0.5403]])
+    """
+
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs):
+        diff = _slice_argnums(args, argnums)
+        flat_in, in_spec = tree_flatten(diff)
+        _inputs("jacfwd", flat_in)
+
+        def partial(*diff_args):
+            return func(*_replace_args(args, diff_args, argnums), **kwargs)
+
+        def push(*tangents):
+            return jvp(partial, diff, tuple(tree_unflatten(list(tangents), in_spec)),
+                       has_aux=has_aux)
+
+        basis = _basis(flat_in)
+        results = vmap(push, randomness=randomness)(*basis)
+        out, columns = results[0], results[1]
+        flat_cols, out_spec = tree_flatten(columns)  # each (total in numel, *output.shape)
+        primal = tree_map(lambda o: o[0], out)
+        sizes = [t.numel() for t in flat_in]
+        blocks = []
+        for col, o in zip(flat_cols, tree_flatten(primal)[0]):
+            pieces = col.split(sizes)
+            per_input = [p.movedim(0, -1).reshape(*o.shape, *t.shape)
+                         for p, t in zip(pieces, flat_in)]
+            inputs_tree = tree_unflatten(per_input, in_spec)
+            blocks.append(inputs_tree[0] if isinstance(argnums, int) else inputs_tree)
+        jac = tree_unflatten(blocks, out_spec)
+        if has_aux:
+            return jac, tree_map(lambda a: a[0], results[2])
+        return jac
+
+    return wrapper
+
+
+def hessian(func: Callable, argnums: int | tuple[int, ...] = 0) -> Callable:
+    """The Hessian of a scalar ``func``: ``jacfwd(jacrev(func, argnums), argnums)``.
+
+    Example::
+
+        >>> import torch
+        >>> from torchlevels import hessian
+        >>> hessian(lambda x: (x ** 3).sum())(torch.tensor([1.0, 2.0]))
+        tensor([[ 6.,  0.],
+                [ 0., 12.]])
+    """
+    return jacfwd(jacrev(func, argnums), argnums)
