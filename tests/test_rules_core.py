@@ -7,7 +7,7 @@ several in_dims, and must not fall back to the slow per-example loop.
 import pytest
 import torch
 from torch.func import vmap as func_vmap
-from vmap_reference import check_vmap, loop_reference
+from vmap_reference import check_vmap, loop_reference, vmap_without_slow_loop
 
 from torchlevels import vmap
 
@@ -188,3 +188,12 @@ def test_linear_composite_rule(batched):
     ours = vmap(torch.nn.functional.linear, in_dims=batched)(*args)
     torch.testing.assert_close(ours, loop_reference(torch.nn.functional.linear, args, batched))
     torch.testing.assert_close(ours, func_vmap(torch.nn.functional.linear, in_dims=batched)(*args))
+
+
+@pytest.mark.parametrize("dims", [(0, None), (None, 0), (1, 0)])
+def test_elementwise_prims_from_ref_decompositions(dims):
+    """torch._refs decompositions emit prims.* ops, which need equal shapes."""
+    a, b = torch.randn(3, 4), torch.randn(4, 3) if dims == (1, 0) else torch.randn(3, 4)
+    args = [t if d is not None else t[0] for t, d in zip((a, b), dims)]
+    ours = vmap_without_slow_loop(torch.ops.prims.mul.default, *args, in_dims=dims)
+    torch.testing.assert_close(ours, loop_reference(torch.mul, args, dims))

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch.func import vmap as func_vmap
 
-from torchlevels import EscapedTensorError, vmap
+from torchlevels import EscapedTensorError, functional_call, grad, hessian, vmap
 
 
 def _ms(fn, *args, reps: int = 30) -> float:
@@ -60,7 +60,24 @@ def main() -> None:
     print(f"   same:      rows equal? "
           f"{torch.equal(*vmap(noise, randomness='same')(torch.zeros(2, 3)))}")
 
-    print("6. an op without a rule still works, through a slow loop that warns once")
+    print("6. autodiff levels compose with vmap and with each other")
+    nested = grad(lambda a: a * grad(lambda b: a * b)(torch.tensor(1.0)))(torch.tensor(3.0))
+    print(f"   grad(lambda x: x * grad(lambda y: x * y)(1.0))(3.0) = {nested.item()}")
+    model = torch.nn.Linear(5, 2)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def loss(p, xi, yi):
+        return F.mse_loss(functional_call(model, p, (xi,)), yi)
+
+    xs, ys = torch.randn(8, 5), torch.randn(8, 2)
+    ours = vmap(grad(loss), in_dims=(None, 0, 0))(params, xs, ys)
+    theirs = func_vmap(torch.func.grad(loss), in_dims=(None, 0, 0))(params, xs, ys)
+    print(f"   per-sample gradients, weight {tuple(ours['weight'].shape)}: equal to torch.func: "
+          f"{all(torch.allclose(ours[k], theirs[k], atol=1e-6) for k in ours)}")
+    h = hessian(lambda v: (v ** 3).sum())(torch.tensor([1.0, 2.0]))
+    print(f"   hessian((x ** 3).sum()) at [1, 2] = {h.tolist()}")
+
+    print("7. an op without a rule still works, through a slow loop that warns once")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         out = vmap(lambda v: torch.ops.aten.as_strided(v, (2,), (2,)))(torch.arange(12.).view(3, 4))

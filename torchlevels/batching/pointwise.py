@@ -8,6 +8,7 @@ logical shapes broadcast as they would unbatched. In-place ops write into the ba
 from __future__ import annotations
 
 import torch
+from torch._prims import _prim_elementwise_meta
 from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
 
 from torchlevels.batching.dims import materialize, pad_to_rank, to_front
@@ -132,3 +133,18 @@ def _channels_last(func, args, dims, kwargs, memory_format):
     order = [0, 1, *range(3, last + 1), 2]  # (B, N, C, *spatial) -> (B, N, *spatial, C)
     back = [0, 1, last, *range(2, last)]
     return out.permute(order).contiguous().permute(back), 0
+
+
+def elementwise_prim_rule(func, args, dims, kwargs):
+    """prims.* elementwise ops (from torch._refs decompositions) need equal shapes."""
+    size = batch_size(args, dims)
+    return func(*[materialize(a, d, size) if isinstance(a, torch.Tensor) else a
+                  for a, d in zip(args, dims)], **kwargs), 0
+
+
+def _is_elementwise_prim(func) -> bool:
+    meta = getattr(func, "prim_meta_impl", None)
+    return func.namespace == "prims" and getattr(meta, "func", None) is _prim_elementwise_meta
+
+
+register_family("elementwise prim", _is_elementwise_prim, elementwise_prim_rule)
