@@ -1,13 +1,16 @@
 """The benchmark groups: one function per group, each returning its benchmarks.
 
 To add a group, write a function returning a list of :class:`Benchmark` and add a
-:class:`Group` for it to ``GROUPS``. Every benchmark has three implementations of the
-same computation: the plain batched call (no vmap, a reference), torch.func.vmap and
-torchlevels.vmap, each a zero-argument callable with its inputs already bound.
+:class:`Group` for it to ``GROUPS``. Every benchmark has the torch.func and the
+torchlevels implementation of the same computation, each a zero-argument callable with its
+inputs already bound, and any number of reference implementations (keys of
+``REFERENCES``: the plain batched call, a Python loop, Opacus, ...), shown as extra
+columns and bars. All of them are checked against torch.func before timing.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -19,11 +22,42 @@ import torchlevels
 
 PLAIN, TORCH_FUNC, TORCHLEVELS = "plain (no vmap)", "torch.func", "torchlevels"
 FLOOR = "minimal subclass"  # optional: the cheapest possible per-op __torch_dispatch__
+LOOP = "Python loop"  # one torch.autograd call per example, stacked
+OPACUS = "Opacus"  # opacus.GradSampleModule: per-sample gradients by backward hooks
+
+
+@dataclass(frozen=True)
+class Reference:
+    """A reference implementation: not a transform under test, an extra column and bar."""
+
+    name: str
+    color: str
+    note: str  # what it is, for the Method section of BENCHMARKS.md
+
+
+# The reference columns, in the order they are shown (each benchmark has any subset).
+REFERENCES: dict[str, Reference] = {r.name: r for r in (
+    Reference(PLAIN, "#999999", "the same computation written batched by hand, without "
+              "vmap (for the autodiff rows: one batched autograd call where the examples "
+              "are independent): the floor any transform could reach"),
+    Reference(FLOOR, "#c4ad66", "a minimal `__torch_dispatch__` subclass that only "
+              "unwraps, calls and rewraps (`_MinimalBatched`): the floor for any design "
+              "that dispatches each op through Python"),
+    Reference(LOOP, "#55a868", "a Python `for` loop over the examples calling "
+              "`torch.autograd.grad` on each and stacking the results: what one writes "
+              "without per-sample transforms"),
+    Reference(OPACUS, "#8172b3", "Opacus' `GradSampleModule` (per-sample gradients from "
+              "backward hooks, `loss_reduction=\"sum\"`, one batched forward and "
+              "backward): the tool a DP-SGD user would pick"),
+)}
+IMPL_COLORS = {TORCH_FUNC: "#4c72b0", TORCHLEVELS: "#dd8452",
+               **{name: r.color for name, r in REFERENCES.items()}}
 
 
 @dataclass(frozen=True)
 class Benchmark:
-    """One computation, three ways: ``impls`` maps PLAIN / TORCH_FUNC / TORCHLEVELS to calls."""
+    """One computation, several ways: ``impls`` maps TORCH_FUNC, TORCHLEVELS and any
+    ``REFERENCES`` names to zero-argument calls."""
 
     name: str
     impls: dict[str, Callable[[], torch.Tensor]]
@@ -157,6 +191,166 @@ def cnn_group() -> list[Benchmark]:
                         target=1.1)]
 
 
+# -- (d)-(g) autodiff: per-sample gradients, batched Hessians, grad overhead ----------------
+
+AUTODIFF_TARGET = 1.2
+
+
+def _autodiff(name: str, transform: Callable[[object], Callable], args: tuple,
+              references: dict[str, Callable[[], object]], target: float = AUTODIFF_TARGET,
+              ) -> Benchmark:
+    """``transform(lib)(*args)`` with lib = torch.func and lib = torchlevels, plus references.
+
+    ``transform`` gets the library module and returns the composed function, so both sides
+    run exactly the same composition (e.g. ``lib.vmap(lib.grad(loss), ...)``).
+    """
+    tf, tl = transform(torch.func), transform(torchlevels)
+    return Benchmark(name, {
+        **references,
+        TORCH_FUNC: lambda: tf(*args),
+        TORCHLEVELS: lambda: tl(*args),
+    }, target)
+
+
+def _per_sample_loss(lib, model: nn.Module) -> Callable:
+    """The cross-entropy loss of one example, as a function of the parameter dict."""
+
+    def loss(params, x, y):
+        out = lib.functional_call(model, params, (x.unsqueeze(0),))
+        return F.cross_entropy(out, y.unsqueeze(0))
+
+    return loss
+
+
+def _loop_per_sample_grads(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Callable:
+    """The Python-loop baseline: one forward and ``torch.autograd.grad`` per example."""
+    names, params = zip(*model.named_parameters())
+
+    def run():
+        rows = [torch.autograd.grad(F.cross_entropy(model(x[i:i + 1]), y[i:i + 1]), params)
+                for i in range(x.shape[0])]
+        return {n: torch.stack(g) for n, g in zip(names, zip(*rows))}
+
+    return run
+
+
+def _opacus_per_sample_grads(model: nn.Module, x: torch.Tensor, y: torch.Tensor
+                             ) -> Callable | None:
+    """Opacus' per-sample gradients (``None`` when opacus is not installed)."""
+    try:
+        from opacus import GradSampleModule
+    except ImportError:
+        return None
+    gsm = GradSampleModule(model, loss_reduction="sum")  # each example's own loss gradient
+    named = list(model.named_parameters())
+
+    def run():
+        gsm.zero_grad(set_to_none=True)  # clears .grad_sample too
+        F.cross_entropy(gsm(x), y, reduction="sum").backward()
+        return {n: p.grad_sample for n, p in named}
+
+    return run
+
+
+def _per_sample_benchmark(name: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor
+                          ) -> Benchmark:
+    """``vmap(grad(loss), in_dims=(None, 0, 0))`` over ``model``'s parameters, with the
+    Python-loop and Opacus references, each on its own copy of the model (Opacus adds
+    hooks and attributes to the parameters it wraps)."""
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    refs = {LOOP: _loop_per_sample_grads(copy.deepcopy(model), x, y)}
+    opacus = _opacus_per_sample_grads(copy.deepcopy(model), x, y)
+    if opacus is not None:
+        refs[OPACUS] = opacus
+    return _autodiff(
+        name,
+        lambda lib: lib.vmap(lib.grad(_per_sample_loss(lib, model)), in_dims=(None, 0, 0)),
+        (params, x, y), refs,
+    )
+
+
+def mlp_grad_group() -> list[Benchmark]:
+    """(d) per-sample gradients of an MLP 784-256-256-10, batch 64, cross-entropy loss."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(784, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
+                          nn.Linear(256, 10))
+    x, y = torch.randn(64, 784), torch.randint(0, 10, (64,))
+    return [_per_sample_benchmark("per-sample grads, MLP 784-256-256-10, batch 64",
+                                  model, x, y)]
+
+
+def cnn_grad_group() -> list[Benchmark]:
+    """(e) per-sample gradients of the CNN of group (c), batch 32, cross-entropy loss."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(1, 16, 3), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, 3), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Linear(32 * 5 * 5, 10),
+    )
+    x, y = torch.randn(32, 1, 28, 28), torch.randint(0, 10, (32,))
+    return [_per_sample_benchmark("per-sample grads, CNN conv16-conv32-linear, batch 32",
+                                  model, x, y)]
+
+
+def hessian_group() -> list[Benchmark]:
+    """(f) vmap(hessian(f)) of a 32-dim scalar function over a batch of 16."""
+    torch.manual_seed(0)
+    a = torch.randn(32, 32) / 32 ** 0.5
+
+    def f(x):  # scalar for one (32,) example; (A @ x.sin()) first: see the group text
+        return x.tanh() @ (a @ x.sin()) + x.pow(2).sum()
+
+    def f_batched(x):  # (N, 32) -> (N,)
+        return (x.tanh() * (x.sin() @ a.T)).sum(-1) + x.pow(2).sum(-1)
+
+    def plain(x):
+        # examples are independent: row j of every example's Hessian is the gradient of
+        # the sum over the batch of the j-th gradient entries; 1 + 32 batched backwards
+        x = x.detach().requires_grad_()
+        (g,) = torch.autograd.grad(f_batched(x).sum(), x, create_graph=True)
+        rows = [torch.autograd.grad(g[:, j].sum(), x, retain_graph=True)[0]
+                for j in range(x.shape[1])]
+        return torch.stack(rows, 1)
+
+    def loop(xs):
+        out = []
+        for x in xs:
+            x = x.detach().requires_grad_()
+            (g,) = torch.autograd.grad(f(x), x, create_graph=True)
+            out.append(torch.stack([torch.autograd.grad(g[j], x, retain_graph=True)[0]
+                                    for j in range(x.shape[0])]))
+        return torch.stack(out)
+
+    x = torch.randn(16, 32)
+    return [_autodiff("vmap(hessian(f)), 32-dim, batch 16",
+                      lambda lib: lib.vmap(lib.hessian(f)), (x,),
+                      {PLAIN: lambda: plain(x), LOOP: lambda: loop(x)})]
+
+
+def grad_overhead_group() -> list[Benchmark]:
+    """(g) vmap(grad) of a 60-op chain of tiny pointwise ops: per-op cost of two levels."""
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 16), torch.randn(8, 16)
+
+    def loss(x, y):
+        return pointwise_chain(x, y, length=60).sum()
+
+    def plain():  # the examples are independent: one batched backward gives every row
+        xr = x.detach().requires_grad_()
+        return torch.autograd.grad(loss(xr, y), xr)[0]
+
+    def loop():
+        rows = []
+        for i in range(x.shape[0]):
+            xi = x[i].detach().requires_grad_()
+            rows.append(torch.autograd.grad(loss(xi, y[i]), xi)[0])
+        return torch.stack(rows)
+
+    return [_autodiff("vmap(grad), pointwise chain, 60 ops, (8, 16)",
+                      lambda lib: lib.vmap(lib.grad(loss)), (x, y),
+                      {PLAIN: plain, LOOP: loop})]
+
+
 GROUPS: dict[str, Group] = {
     "overhead": Group(
         "Per-op overhead",
@@ -178,5 +372,45 @@ GROUPS: dict[str, Group] = {
         "800->10, unbatched weights, vmapped over a batch of 32 examples of shape "
         "(1, 28, 28). Target: ratio <= 1.1.",
         cnn_group,
+    ),
+    "grad_overhead": Group(
+        "Grad overhead",
+        "`vmap(grad(loss))` of a chain of 60 small pointwise ops (the ops of the per-op "
+        "overhead group) summed to a scalar, over 8 examples of shape (16,): the Python cost "
+        "of an op passing a grad level and a vmap level, forward and backward. References: "
+        "one batched `torch.autograd.grad` (the examples are independent), and a Python loop "
+        "over the examples. Target: ratio <= 1.2.",
+        grad_overhead_group,
+    ),
+    "mlp_grad": Group(
+        "MLP per-sample gradients",
+        "Per-sample gradients of the cross-entropy loss of an `nn.Sequential` MLP "
+        "784-256-256-10 (ReLU) with respect to all its parameters, batch 64: "
+        "`vmap(grad(loss), in_dims=(None, 0, 0))(params, x, y)` where `loss` runs the "
+        "module with `functional_call` on one example. References: a Python loop of "
+        "`torch.autograd.grad` per example, and Opacus' `GradSampleModule`. "
+        "Target: ratio <= 1.2.",
+        mlp_grad_group,
+    ),
+    "cnn_grad": Group(
+        "CNN per-sample gradients",
+        "Per-sample gradients, as for the MLP, of the CNN of the CNN forward group as an "
+        "`nn.Sequential` (conv 1->16 3x3, relu, maxpool 2, conv 16->32 3x3, relu, "
+        "maxpool 2, flatten, linear 800->10), batch 32 of (1, 28, 28). References: the "
+        "Python loop and Opacus. Target: ratio <= 1.2.",
+        cnn_grad_group,
+    ),
+    "hessian": Group(
+        "Batched Hessians",
+        "`vmap(hessian(f))` over 16 examples of shape (32,), with "
+        "f(x) = x.tanh() @ (A @ x.sin()) + x.pow(2).sum(): hessian is jacfwd(jacrev(f)), "
+        "so this is forward-over-reverse under vmap, three transforms deep. (Written "
+        "`x.tanh() @ (A @ x.sin())`: the left-to-right `x.tanh() @ A @ x.sin()`, a 1-D @ 2-D "
+        "matmul first, fails under torchlevels.hessian (a forward-gradient size mismatch, "
+        "[1, 32] against [32]) where torch.func computes it.) References: the "
+        "Hessians by hand with batched double backward (1 + 32 `torch.autograd.grad` calls "
+        "over the whole batch), and a Python loop doing the same per example. "
+        "Target: ratio <= 1.2.",
+        hessian_group,
     ),
 }

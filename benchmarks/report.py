@@ -11,7 +11,16 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.groups import FLOOR, PLAIN, TORCH_FUNC, TORCHLEVELS, Benchmark, Group
+from benchmarks.groups import (
+    FLOOR,
+    IMPL_COLORS,
+    PLAIN,
+    REFERENCES,
+    TORCH_FUNC,
+    TORCHLEVELS,
+    Benchmark,
+    Group,
+)
 from benchmarks.timing import Timing
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -68,16 +77,26 @@ def fmt_time(seconds: float) -> str:
     return f"{seconds:.2f} s"
 
 
+def references(results: list[Result]) -> list[str]:
+    """The reference implementations timed in any of ``results``, in REFERENCES order."""
+    return [name for name in REFERENCES if any(name in r.timings for r in results)]
+
+
+def columns(results: list[Result]) -> list[str]:
+    """Every implementation timed in ``results``: the plain reference first, then
+    torch.func and torchlevels, then the other references."""
+    refs = references(results)
+    return ([PLAIN] if PLAIN in refs else []) + [TORCH_FUNC, TORCHLEVELS] + [
+        name for name in refs if name != PLAIN]
+
+
 def progress_line(result: Result) -> str:
     """One line for the terminal as a benchmark finishes."""
     t = result.timings
     met = {True: "met", False: "NOT met", None: "no target"}[result.met]
-    return (
-        f"  {result.benchmark.name:<40} plain {fmt_time(t[PLAIN].median):>10}  "
-        f"torch.func {fmt_time(t[TORCH_FUNC].median):>10}  "
-        f"torchlevels {fmt_time(t[TORCHLEVELS].median):>10}  "
-        f"ratio {result.ratio:5.2f} (target {result.benchmark.target}: {met})"
-    )
+    times = "  ".join(f"{name} {fmt_time(t[name].median)}" for name in columns([result]))
+    return (f"  {result.benchmark.name}: {times}  "
+            f"ratio {result.ratio:5.2f} (target {result.benchmark.target}: {met})")
 
 
 def plot_group(key: str, group: Group, results: list[Result]) -> Path:
@@ -87,23 +106,25 @@ def plot_group(key: str, group: Group, results: list[Result]) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    impls = [i for i in (PLAIN, TORCH_FUNC, FLOOR, TORCHLEVELS)
-             if all(i in r.timings for r in results)]
-    colors = {PLAIN: "#999999", TORCH_FUNC: "#4c72b0", FLOOR: "#c4ad66", TORCHLEVELS: "#dd8452"}
+    impls = columns(results)
+    longest = max(t.median for r in results for t in r.timings.values())
+    scale, unit = (1e3, "ms") if longest >= 0.01 else (1e6, "µs")
     height = 0.8 / len(impls)
-    fig, ax = plt.subplots(figsize=(8, 1.8 + 1.2 * len(results)))
+    fig, ax = plt.subplots(figsize=(8, 1.8 + 0.3 * len(impls) * len(results)))
     for j, impl in enumerate(impls):
-        ys = [i + (j - 1) * height for i in range(len(results))]
-        us = [r.timings[impl].median * 1e6 for r in results]
-        bars = ax.barh(ys, us, height, label=impl, color=colors[impl])
-        ax.bar_label(bars, labels=[fmt_time(u / 1e6) for u in us], padding=3, fontsize=8)
+        rows = [(i, r.timings[impl].median * scale) for i, r in enumerate(results)
+                if impl in r.timings]  # a reference may be missing from some rows
+        ys = [i + (j - (len(impls) - 1) / 2) * height for i, _ in rows]
+        us = [u for _, u in rows]
+        bars = ax.barh(ys, us, height, label=impl, color=IMPL_COLORS[impl])
+        ax.bar_label(bars, labels=[fmt_time(u / scale) for u in us], padding=3, fontsize=8)
     ax.set_yticks(range(len(results)))
     ax.set_yticklabels(
         [f"{r.benchmark.name}\nratio {r.ratio:.2f}" for r in results], fontsize=8
     )
     ax.invert_yaxis()
-    ax.set_xlabel("median time per call (µs)")
-    ax.set_xlim(0, 1.25 * max(r.timings[i].median * 1e6 for r in results for i in impls))
+    ax.set_xlabel(f"median time per call ({unit})")
+    ax.set_xlim(0, 1.3 * longest * scale)
     ax.set_title(group.title)
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=len(impls), fontsize=8)
     fig.tight_layout()
@@ -116,22 +137,27 @@ def plot_group(key: str, group: Group, results: list[Result]) -> Path:
 def render(results: dict[str, list[Result]], groups: dict[str, Group], info: dict) -> str:
     """The markdown of BENCHMARKS.md."""
     lines = [
-        "# Benchmarks: torchlevels.vmap against torch.func.vmap",
+        "# Benchmarks: torchlevels against torch.func",
         "",
         f"Regenerate with `{COMMAND}` (runs `.venv/bin/python -m benchmarks.run`, which "
         "rewrites this file and the charts under `benchmarks/`).",
         "",
         "## Method",
         "",
-        "All implementations run in one process. Before timing, the torchlevels output (and "
-        "the plain batched output) is checked against torch.func with `assert_close`, so a "
-        "broken transform cannot post a good time. Each implementation is warmed up, then "
+        "All implementations run in one process. Before timing, the output of torchlevels "
+        "and of every reference implementation is checked against torch.func with "
+        "`assert_close`, so a broken implementation cannot post a good time. Each "
+        "implementation is warmed up, then "
         "timed in rounds: one block of calls (about 20 ms) per implementation per round, "
         "rotating and reversing the order every round so drift of the machine hits all "
         "alike. Reported: the median time per call over the rounds; ratio = "
         "median(torchlevels) / median(torch.func). Lower is better; the anchor is torch.func. "
-        "The plain column is the same computation written batched, without vmap: the "
-        "floor any vmap could reach. The garbage collector stays on, as in real use.",
+        "The garbage collector stays on, as in real use.",
+        "",
+        "Reference implementations, shown as extra columns (time, and in brackets its ratio "
+        "to torch.func) and bars where a group has them:",
+        "",
+        *(f"- {name}: {ref.note}." for name, ref in REFERENCES.items()),
         "",
         "## Machine",
         "",
@@ -150,22 +176,22 @@ def render(results: dict[str, list[Result]], groups: dict[str, Group], info: dic
                          f"{_target(r)} | {_met(r)} |")
     for key, group_results in results.items():
         group = groups[key]
+        refs = references(group_results)
         lines += [
             "",
             f"## {group.title}",
             "",
             group.description,
             "",
-            "| benchmark | plain, no vmap (reference) | torch.func median | "
-            "torchlevels median | ratio | target | met? |",
-            "|---|---:|---:|---:|---:|---:|---|",
+            "| benchmark | torch.func median | torchlevels median | ratio | target | met? |"
+            + "".join(f" {name} |" for name in refs),
+            "|---|---:|---:|---:|---:|---|" + "---:|" * len(refs),
         ]
         for r in group_results:
-            t = r.timings
             lines.append(
-                f"| {r.benchmark.name} | {fmt_time(t[PLAIN].median)} | "
-                f"{fmt_time(t[TORCH_FUNC].median)} | {fmt_time(t[TORCHLEVELS].median)} | "
+                f"| {r.benchmark.name} | {fmt_time(t_func(r))} | {fmt_time(t_ours(r))} | "
                 f"{r.ratio:.2f} | {_target(r)} | {_met(r)} |"
+                + "".join(f" {_ref_cell(r, name)} |" for name in refs)
             )
         lines += ["", f"![{group.title}](benchmarks/{key}.png)", ""]
         for r in group_results:
@@ -183,6 +209,11 @@ def render(results: dict[str, list[Result]], groups: dict[str, Group], info: dic
                     f"design that dispatches each op through Python pays at least this; "
                     f"torchlevels is {t_ours(r) / floor:.2f}x the floor."
                 )
+            others = [n for n in r.timings if n in REFERENCES and n not in (PLAIN, FLOOR)]
+            if others:
+                vs = ", ".join(f"{t_ours(r) / r.timings[n].median:.2f}x {n}" for n in others)
+                lines.append(f"  torchlevels against the other references: {vs} "
+                             "(below 1: torchlevels is faster).")
             if r.batching:
                 how = "; ".join(f"`{op}` {h}" for op, h in r.batching.items())
                 lines.append(f"  How torchlevels batched the ops reaching its level: {how}.")
@@ -195,6 +226,13 @@ def t_func(r: Result) -> float:
 
 def t_ours(r: Result) -> float:
     return r.timings[TORCHLEVELS].median
+
+
+def _ref_cell(r: Result, name: str) -> str:
+    if name not in r.timings:
+        return "—"
+    t = r.timings[name].median
+    return f"{fmt_time(t)} ({t / t_func(r):.2f}x)"
 
 
 def _target(r: Result) -> str:

@@ -58,18 +58,19 @@ def describe_batching(benchmark: Benchmark) -> dict[str, str]:
 
 
 def check(benchmark: Benchmark) -> None:
-    """Raise if torchlevels (or the plain reference) disagrees with torch.func."""
+    """Raise if torchlevels (or any reference implementation) disagrees with torch.func."""
     expected = benchmark.impls[TORCH_FUNC]()
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # slow-loop warnings: reported via describe_batching
+        # slow-loop warnings: reported via describe_batching; Opacus' hook warnings
+        warnings.simplefilter("ignore")
         got = benchmark.impls[TORCHLEVELS]()
-    torch.testing.assert_close(got, expected, msg=lambda m: f"{benchmark.name}: torchlevels "
-                               f"differs from torch.func: {m}")
-    for name, impl in benchmark.impls.items():
-        if name not in (TORCH_FUNC, TORCHLEVELS):  # the references: plain, the floor
-            torch.testing.assert_close(impl(), expected, rtol=1e-4, atol=1e-4,
-                                       msg=lambda m, name=name: f"{benchmark.name}: {name} "
-                                       f"differs: {m}")
+        torch.testing.assert_close(got, expected, msg=lambda m: f"{benchmark.name}: "
+                                   f"torchlevels differs from torch.func: {m}")
+        for name, impl in benchmark.impls.items():
+            if name not in (TORCH_FUNC, TORCHLEVELS):  # the references (REFERENCES)
+                torch.testing.assert_close(impl(), expected, rtol=1e-4, atol=1e-4,
+                                           msg=lambda m, name=name: f"{benchmark.name}: "
+                                           f"{name} differs: {m}")
 
 
 def run_benchmark(benchmark: Benchmark, budget_s: float) -> Result:
