@@ -405,7 +405,11 @@ def jacfwd(func: Callable, argnums: int | tuple[int, ...] = 0, has_aux: bool = F
 
 
 def hessian(func: Callable, argnums: int | tuple[int, ...] = 0) -> Callable:
-    """The Hessian of a scalar ``func``: ``jacfwd(jacrev(func, argnums), argnums)``.
+    """The Hessian of a scalar ``func``, as torch.func.hessian gives it.
+
+    Computed as ``jacrev(jacrev(func, argnums), argnums)``: the same blocks as torch.func's
+    ``jacfwd(jacrev(...))``, and faster here, where a reverse level costs less per op than
+    a forward level (each forward op makes and unpacks dual tensors).
 
     Example::
 
@@ -415,4 +419,4 @@ def hessian(func: Callable, argnums: int | tuple[int, ...] = 0) -> Callable:
         tensor([[ 6.,  0.],
                 [ 0., 12.]])
     """
-    return jacfwd(jacrev(func, argnums), argnums)
+    return jacrev(jacrev(func, argnums), argnums)
