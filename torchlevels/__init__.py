@@ -3,6 +3,7 @@
 from torchlevels._level import EscapedTensorError, LevelTensor, UnrelatedLevelsError
 from torchlevels.autodiff import grad_level, jvp_level
 from torchlevels.batching.registry import register as register_batching_rule
+from torchlevels.custom_function import VmapInfo
 from torchlevels.transforms import (
     functional_call,
     grad,
@@ -21,6 +22,7 @@ __all__ = [
     "EscapedTensorError",
     "LevelTensor",
     "UnrelatedLevelsError",
+    "VmapInfo",
     "functional_call",
     "grad",
     "grad_and_value",

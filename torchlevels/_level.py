@@ -139,6 +139,12 @@ class LevelTensor(torch.Tensor):
         return f"{type(self).__name__}(level={level.describe()}, inner={self._inner!r})"
 
 
+def set_logical_meta(tensor: LevelTensor, shape, strides, storage_offset: int = 0) -> None:
+    """Change a level tensor's own sizes and strides in place (after ``squeeze_`` and such)."""
+    with torch._C._DisableTorchDispatch():
+        torch.ops.aten.as_strided_.default(tensor, shape, strides, storage_offset)
+
+
 def escape_message(level: Level, func) -> str:
     return (
         f"{func}: a tensor of {level.describe()} was used after that transform exited. "

@@ -28,7 +28,14 @@ from typing import Any
 import torch
 import torch.autograd.forward_ad as fwAD
 
-from torchlevels._level import Level, LevelTensor, enclosing_classes, entered, new_level_class
+from torchlevels._level import (
+    Level,
+    LevelTensor,
+    enclosing_classes,
+    entered,
+    new_level_class,
+    set_logical_meta,
+)
 
 _make_wrapper_subclass = torch.Tensor._make_wrapper_subclass
 _restore_tls = torch._C._RestorePythonTLSSnapshot
@@ -46,7 +53,8 @@ def shallow_copy(t: Any) -> Any:
 
 def _wrap(cls, inner: torch.Tensor, tangent: torch.Tensor | None = None) -> torch.Tensor:
     out = _make_wrapper_subclass(
-        cls, inner.shape, strides=inner.stride(), dtype=inner.dtype, device=inner.device,
+        cls, inner.shape, strides=inner.stride(), storage_offset=inner.storage_offset(),
+        dtype=inner.dtype, device=inner.device,
     )
     out._inner = inner
     out._tangent = tangent
@@ -82,9 +90,10 @@ class GradLevel(Level):
         """``G(t)``: ``t`` as an input of this level (a fresh leaf of its graph)."""
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{cls.__name__}(t): t must be a Tensor, got {type(tensor)}")
+        if tensor.requires_grad and not isinstance(tensor, LevelTensor):
+            return _wrap(cls, tensor.view_as(tensor))  # keeps its history for autograd outside
         leaf = shallow_copy(tensor)
-        if not leaf.requires_grad:
-            leaf.requires_grad_()
+        leaf.requires_grad_()
         return _wrap(cls, leaf)
 
     def unwrap(self, cls, tensor: Any) -> Any:
@@ -102,8 +111,17 @@ class GradLevel(Level):
         with _restore_tls():  # autograd on again for the inner tensors, as the user set it
             out = func(*inner_args, **inner_kwargs)
         if _is_inplace(func):
-            return args[0]
-        return _wrap_tracked(cls, out)
+            self_ = args[0]
+            _follow_inner(self_)
+            return self_
+        return _wrap_all(cls, out)
+
+
+def _follow_inner(self: torch.Tensor) -> None:
+    """After an in-place op, give the wrapper its inner tensor's shape (``squeeze_``...)."""
+    inner = self._inner
+    if inner.shape != self.shape or inner.stride() != self.stride():
+        set_logical_meta(self, inner.shape, inner.stride(), inner.storage_offset())
 
 
 def _unwrap_grad(a: Any, cls) -> Any:
@@ -114,12 +132,13 @@ def _unwrap_grad(a: Any, cls) -> Any:
     return a
 
 
-def _wrap_tracked(cls, out: Any) -> Any:
-    """Outputs that depend on this level's inputs become its tensors; the rest are constants."""
+def _wrap_all(cls, out: Any) -> Any:
+    """Every tensor output is this level's, tracked or not: a later in-place op may write a
+    tracked value into it (``buf = zeros_like(x); buf[0] = x``), as in torch.func."""
     if isinstance(out, torch.Tensor):
-        return _wrap(cls, out) if out.requires_grad else out
+        return _wrap(cls, out)
     if isinstance(out, (tuple, list)):
-        return type(out)(_wrap_tracked(cls, o) for o in out)
+        return type(out)(_wrap_all(cls, o) for o in out)
     return out
 
 
@@ -151,8 +170,8 @@ class JvpLevel(Level):
             out = func(*dual_args, **dual_kwargs)
             if _is_inplace(func):
                 self_ = args[0]
-                primal, tangent = fwAD.unpack_dual(dual_args[0], level=level)
-                self_._tangent = tangent
+                self_._inner, self_._tangent = fwAD.unpack_dual(dual_args[0], level=level)
+                _follow_inner(self_)
                 return self_
             return _from_dual(cls, out, level)
 
@@ -170,7 +189,7 @@ def _to_dual(a: Any, cls, level: int) -> Any:
 def _from_dual(cls, out: Any, level: int) -> Any:
     if isinstance(out, torch.Tensor):
         primal, tangent = fwAD.unpack_dual(out, level=level)
-        return primal if tangent is None else _wrap(cls, primal, tangent)
+        return _wrap(cls, primal, tangent)  # every output is ours (see _wrap_all)
     if isinstance(out, (tuple, list)):
         return type(out)(_from_dual(cls, o, level) for o in out)
     return out

@@ -11,11 +11,15 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch._functorch.eager_transforms import _replace_args, _slice_argnums
+from torch._functorch.eager_transforms import (
+    _replace_args,
+    _slice_argnums,
+    _validate_and_wrap_argnums,
+)
 from torch.func import functional_call, stack_module_state
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from torchlevels._level import enclosing_classes, innermost
+from torchlevels._level import LevelTensor, enclosing_classes, innermost
 from torchlevels.autodiff import GradLevel, grad_level, jvp_level, shallow_copy
 from torchlevels.vmap import vmap
 
@@ -25,28 +29,38 @@ __all__ = [
 ]
 
 
-def _inputs(api: str, flat: list) -> None:
+def _inputs(api: str, flat: list, dtype_error: type[Exception] = RuntimeError) -> None:
+    """Differentiated inputs must be floating-point or complex tensors (torch.func's errors)."""
     for t in flat:
         if not isinstance(t, torch.Tensor):
-            raise RuntimeError(f"{api}: Expected inputs to be Tensors, got {type(t)}")
+            raise ValueError(f"{api}: Thing passed to transform API must be Tensor, got {type(t)}")
         if not (t.is_floating_point() or t.is_complex()):
-            raise RuntimeError(
+            raise dtype_error(
                 f"{api}: inputs must be floating-point or complex Tensors to be "
                 f"differentiated, got one of dtype {t.dtype}. Pass it as a non-differentiated "
                 "argument (see argnums) or convert it with .float()."
             )
 
 
-def _leaf_source(t: torch.Tensor) -> torch.Tensor:
-    # a plain tensor that requires grad keeps its history, so autograd outside still works
-    return t.view_as(t) if t.requires_grad and not hasattr(t, "_level") else t
+def _needs_graph(level: GradLevel, inputs: list, grad_enabled: bool) -> bool:
+    """Whether the backward pass itself must be recorded (higher order or autograd outside).
+
+    ``grad_enabled`` is the grad mode outside the transform, which turns it on inside.
+    """
+    return grad_enabled and (level.nested_in_grad or any(map(requires_grad_within, inputs)))
 
 
-def _needs_graph(level: GradLevel, inputs: list) -> bool:
-    """Whether the backward pass itself must be recorded (higher order or autograd outside)."""
-    return torch.is_grad_enabled() and (
-        level.nested_in_grad or any(t.requires_grad for t in inputs)
-    )
+def requires_grad_within(t: torch.Tensor) -> bool:
+    """Whether ``t``, or the tensor it wraps at any level, requires grad (autograd outside)."""
+    while isinstance(t, LevelTensor):
+        t = t._inner
+    return t.requires_grad
+
+
+def _normalized(argnums: int | tuple[int, ...], args: tuple) -> int | tuple[int, ...]:
+    """Negative argnums counted from the end, checked against the number of arguments."""
+    _slice_argnums(args, argnums)  # raises torch.func's errors for bad argnums
+    return _validate_and_wrap_argnums(argnums, len(args))
 
 
 def _grad_level_live() -> bool:
@@ -79,14 +93,16 @@ def grad_and_value(func: Callable, argnums: int | tuple[int, ...] = 0,
 
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
+        grad_enabled = torch.is_grad_enabled()
+        argnums_ = _normalized(argnums, args)
         with grad_level("grad") as G:
-            diff = _slice_argnums(args, argnums, as_tuple=False)
+            diff = _slice_argnums(args, argnums_, as_tuple=False)
             flat, spec = tree_flatten(diff)
             _inputs("grad", flat)
-            wrapped = [G(_leaf_source(t)) for t in flat]
+            wrapped = [G(t) for t in flat]
             new_diff = tree_unflatten(wrapped, spec)
-            new_args = _replace_args(args, (new_diff,) if isinstance(argnums, int)
-                                     else new_diff, argnums)
+            new_args = _replace_args(args, (new_diff,) if isinstance(argnums_, int)
+                                     else new_diff, argnums_)
             out, aux = _split_aux("grad_and_value", func(*new_args, **kwargs), has_aux)
             if not isinstance(out, torch.Tensor):
                 raise RuntimeError(
@@ -100,7 +116,7 @@ def grad_and_value(func: Callable, argnums: int | tuple[int, ...] = 0,
                     "jacrev APIs instead?"
                 )
             level = G._level
-            keep = _needs_graph(level, flat)
+            keep = _needs_graph(level, flat, grad_enabled)
             out_inner = G.unwrap(out)
             leaves = [w._inner for w in wrapped]
             grads = [None] * len(leaves)
@@ -168,10 +184,11 @@ def vjp(func: Callable, *primals: Any, has_aux: bool = False) -> tuple:
         >>> vjp_fn(torch.ones(2))
         (tensor([1.0000, 0.5403]),)
     """
+    grad_enabled = torch.is_grad_enabled()
     with grad_level("vjp") as G:
         flat, spec = tree_flatten(primals)
         _inputs("vjp", flat)
-        wrapped = [G(_leaf_source(t)) for t in flat]
+        wrapped = [G(t) for t in flat]
         out, aux = _split_aux("vjp", func(*tree_unflatten(wrapped, spec)), has_aux)
         flat_out, out_spec = tree_flatten(out)
         for o in flat_out:
@@ -180,13 +197,13 @@ def vjp(func: Callable, *primals: Any, has_aux: bool = False) -> tuple:
                     "vjp(f, *primals): Expected f to be a function that has only Tensor "
                     f"outputs, got {type(o)}"
                 )
-        keep = _needs_graph(G._level, flat)
+        keep = _needs_graph(G._level, flat, grad_enabled)
         out_inners = [G.unwrap(o) for o in flat_out]
         leaves = [w._inner for w in wrapped]
         results = tree_unflatten([o if keep else shallow_copy(o) for o in out_inners], out_spec)
         if has_aux:
             aux = tree_map(lambda a: _out_of(G, a, keep), aux)
-    inputs_require_grad = any(t.requires_grad for t in flat)
+    inputs_require_grad = any(map(requires_grad_within, flat))
 
     def vjp_fn(cotangents: Any) -> tuple:
         flat_ct, ct_spec = tree_flatten(cotangents)
@@ -239,7 +256,7 @@ def jvp(func: Callable, primals: Any, tangents: Any, *, strict: bool = False,
             f"structure. For example, if primals is a tuple of 3 tensors, tangents also must "
             f"be. Got primals with structure {spec_p} and tangents with structure {spec_t}"
         )
-    _inputs("jvp", flat_p)
+    _inputs("jvp", flat_p, ValueError)
     for p, t in zip(flat_p, flat_t):
         if not isinstance(t, torch.Tensor) or p.shape != t.shape:
             raise RuntimeError(
@@ -281,6 +298,7 @@ def linearize(func: Callable, *primals: Any) -> tuple[Any, Callable]:
         >>> jvp_fn(torch.ones(2))
         tensor([1.0000, 0.5403])
     """
+    _inputs("linearize", tree_flatten(primals)[0], ValueError)
     out = func(*primals)
 
     def jvp_fn(*tangents: Any) -> Any:
@@ -313,11 +331,12 @@ def jacrev(func: Callable, argnums: int | tuple[int, ...] = 0, *, has_aux: bool 
 
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
-        diff = _slice_argnums(args, argnums)
+        argnums_ = _normalized(argnums, args)
+        diff = _slice_argnums(args, argnums_)
         flat_in, in_spec = tree_flatten(diff)
 
         def partial(*diff_args):
-            return func(*_replace_args(args, diff_args, argnums), **kwargs)
+            return func(*_replace_args(args, diff_args, argnums_), **kwargs)
 
         result = vjp(partial, *diff, has_aux=has_aux)
         out, vjp_fn = result[0], result[1]
@@ -372,12 +391,13 @@ def jacfwd(func: Callable, argnums: int | tuple[int, ...] = 0, has_aux: bool = F
 
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
-        diff = _slice_argnums(args, argnums)
+        argnums_ = _normalized(argnums, args)
+        diff = _slice_argnums(args, argnums_)
         flat_in, in_spec = tree_flatten(diff)
-        _inputs("jacfwd", flat_in)
+        _inputs("jacfwd", flat_in, ValueError)
 
         def partial(*diff_args):
-            return func(*_replace_args(args, diff_args, argnums), **kwargs)
+            return func(*_replace_args(args, diff_args, argnums_), **kwargs)
 
         def push(*tangents):
             return jvp(partial, diff, tuple(tree_unflatten(list(tangents), in_spec)),
@@ -419,4 +439,11 @@ def hessian(func: Callable, argnums: int | tuple[int, ...] = 0) -> Callable:
         tensor([[ 6.,  0.],
                 [ 0., 12.]])
     """
-    return jacrev(jacrev(func, argnums), argnums)
+    jac = jacrev(jacrev(func, argnums), argnums)
+
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs):
+        _inputs("hessian", tree_flatten(_slice_argnums(args, argnums))[0], ValueError)
+        return jac(*args, **kwargs)
+
+    return wrapper

@@ -18,7 +18,7 @@ import torch
 from torch.utils._pytree import TreeSpec, _broadcast_to_and_flatten, tree_flatten, tree_unflatten
 
 from torchlevels import batching  # noqa: F401  (registers the rules)
-from torchlevels._level import Level, LevelTensor, entered, new_level_class
+from torchlevels._level import Level, LevelTensor, entered, new_level_class, set_logical_meta
 from torchlevels.batching import predispatch
 from torchlevels.batching.registry import How, resolve, resolved_by_id
 
@@ -174,9 +174,10 @@ def wrap_batched(cls, inner: torch.Tensor, bdim: int) -> torch.Tensor:
         inner = inner.resolve_conj().resolve_neg()
     shape = inner.shape
     strides = inner.stride()
+    # strides and offset are those of example 0 (forward AD compares views' layouts)
     out = _make_wrapper_subclass(
         cls, shape[:bdim] + shape[bdim + 1 :], strides=strides[:bdim] + strides[bdim + 1 :],
-        dtype=inner.dtype, device=inner.device,
+        storage_offset=inner.storage_offset(), dtype=inner.dtype, device=inner.device,
     )
     out._inner = inner
     out._bdim = bdim
@@ -210,10 +211,8 @@ def _rewrap_inplace(self: torch.Tensor, inner: torch.Tensor, bdim: int) -> None:
     self._inner = inner
     self._bdim = bdim
     shape, strides = inner.shape, inner.stride()
-    with torch._C._DisableTorchDispatch():
-        torch.ops.aten.as_strided_.default(
-            self, shape[:bdim] + shape[bdim + 1 :], strides[:bdim] + strides[bdim + 1 :]
-        )
+    set_logical_meta(self, shape[:bdim] + shape[bdim + 1 :], strides[:bdim] + strides[bdim + 1 :],
+                     inner.storage_offset())
 
 
 def _is_inplace_output(func, i, args, cls) -> bool:

@@ -47,3 +47,10 @@ def new_zeros_with_same_feature_meta(func, args, dims, kwargs):
     sample = other if dims[1] is None else other.select(dims[1], 0)  # logical layout of other
     n = kwargs.get("self_num_batch_dims", 0)
     return func(materialize(self, dims[0], size), sample, self_num_batch_dims=n + 1), 0
+
+
+@register(aten._fw_primal)
+def fw_primal(func, args, dims, kwargs):
+    """The primal of a batched dual tensor: the physical tensor's primal, batched alike."""
+    with torch._C._RestorePythonTLSSnapshot():  # the op only exists with autograd on
+        return func(*args, **kwargs), dims[0]

@@ -1,0 +1,415 @@
+"""Real workloads, each run with torchlevels and with torch.func on the same inputs and seeds.
+
+Per-sample gradients (MLP, CNN, batch norm in eval mode, dropout), model ensembling,
+Hessian-vector products, second-order MAML and molecular forces.
+"""
+
+import pytest
+import torch
+import torch.func as tf
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils._pytree import tree_flatten
+
+import torchlevels as tl
+
+
+def assert_tree_close(actual, expected, **kwargs):
+    flat_a, spec_a = tree_flatten(actual)
+    flat_e, spec_e = tree_flatten(expected)
+    assert spec_a == spec_e, f"structure differs:\n{spec_a}\nvs torch.func's\n{spec_e}"
+    for a, e in zip(flat_a, flat_e):
+        assert type(a) is torch.Tensor, type(a)
+        torch.testing.assert_close(a, e, **kwargs)
+
+
+def detached_params(model: nn.Module) -> dict:
+    return {k: v.detach() for k, v in model.named_parameters()}
+
+
+def per_sample_grads(lib, model, params, buffers, xs, ys, randomness="error"):
+    """The torch.func tutorial's recipe: vmap(grad(loss), in_dims=(None, 0, 0))."""
+
+    def loss(p, x, y):
+        out = lib.functional_call(model, (p, buffers), (x.unsqueeze(0),))
+        return F.cross_entropy(out, y.unsqueeze(0))
+
+    return lib.vmap(lib.grad(loss), in_dims=(None, 0, 0), randomness=randomness)(
+        params, xs, ys)
+
+
+def loop_per_sample_grads(model, xs, ys):
+    """torch.autograd, one example at a time: an independent reference."""
+    grads = []
+    for x, y in zip(xs, ys):
+        model.zero_grad()
+        F.cross_entropy(model(x.unsqueeze(0)), y.unsqueeze(0)).backward()
+        grads.append({k: v.grad.clone() for k, v in model.named_parameters()})
+    return {k: torch.stack([g[k] for g in grads]) for k in grads[0]}
+
+
+# -- per-sample gradients -------------------------------------------------------------
+
+def make_mlp():
+    return nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 32), nn.Tanh(),
+                         nn.Linear(32, 5))
+
+
+def make_cnn():
+    return nn.Sequential(
+        nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(4, 6, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(2),
+        nn.Flatten(), nn.Linear(6 * 2 * 2, 3),
+    )
+
+
+def test_per_sample_grads_mlp():
+    model = make_mlp()
+    params = detached_params(model)
+    xs, ys = torch.randn(8, 10), torch.randint(0, 5, (8,))
+    ours = per_sample_grads(tl, model, params, {}, xs, ys)
+    assert_tree_close(ours, per_sample_grads(tf, model, params, {}, xs, ys))
+    assert_tree_close(ours, loop_per_sample_grads(model, xs, ys))
+    assert ours["0.weight"].shape == (8, 32, 10)
+
+
+def test_per_sample_grads_cnn():
+    model = make_cnn()
+    params = detached_params(model)
+    xs, ys = torch.randn(6, 1, 10, 10), torch.randint(0, 3, (6,))
+    ours = per_sample_grads(tl, model, params, {}, xs, ys)
+    assert_tree_close(ours, per_sample_grads(tf, model, params, {}, xs, ys))
+    assert ours["0.weight"].shape == (6, 4, 1, 3, 3)
+
+
+def test_per_sample_grads_and_loss_with_grad_and_value():
+    model = make_mlp()
+    params = detached_params(model)
+    xs, ys = torch.randn(5, 10), torch.randint(0, 5, (5,))
+
+    def run(lib):
+        def loss(p, x, y):
+            return F.cross_entropy(lib.functional_call(model, p, (x[None],)), y[None])
+
+        return lib.vmap(lib.grad_and_value(loss), in_dims=(None, 0, 0))(params, xs, ys)
+
+    assert_tree_close(run(tl), run(tf))
+
+
+def test_per_sample_grads_batch_norm_eval():
+    model = nn.Sequential(nn.Linear(10, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 5))
+    with torch.no_grad():
+        model[1].running_mean.normal_()
+        model[1].running_var.uniform_(0.5, 2.0)
+        model[1].weight.uniform_(0.5, 1.5)
+        model[1].bias.normal_()
+    model.eval()
+    params = detached_params(model)
+    buffers = dict(model.named_buffers())
+    before = {k: v.clone() for k, v in buffers.items()}
+    xs, ys = torch.randn(7, 10), torch.randint(0, 5, (7,))
+    ours = per_sample_grads(tl, model, params, buffers, xs, ys)
+    assert_tree_close(ours, per_sample_grads(tf, model, params, buffers, xs, ys))
+    assert_tree_close(ours, loop_per_sample_grads(model, xs, ys))
+    assert_tree_close(dict(model.named_buffers()), before)  # eval mode: stats untouched
+
+
+def test_per_sample_grads_cnn_batch_norm_eval():
+    model = nn.Sequential(nn.Conv2d(1, 3, 3), nn.BatchNorm2d(3), nn.ReLU(), nn.Flatten(),
+                          nn.Linear(3 * 6 * 6, 2))
+    with torch.no_grad():
+        model[1].running_mean.normal_()
+        model[1].running_var.uniform_(0.5, 2.0)
+    model.eval()
+    params, buffers = detached_params(model), dict(model.named_buffers())
+    xs, ys = torch.randn(4, 1, 8, 8), torch.randint(0, 2, (4,))
+    assert_tree_close(per_sample_grads(tl, model, params, buffers, xs, ys),
+                      per_sample_grads(tf, model, params, buffers, xs, ys))
+
+
+# -- dropout under vmap(grad) ---------------------------------------------------------
+
+def dropout_model():
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Dropout(0.5), nn.Linear(64, 4))
+    model.train()
+    return model
+
+
+def test_dropout_error_mode_raises_like_torch_func():
+    model = dropout_model()
+    params = detached_params(model)
+    xs, ys = torch.randn(4, 32), torch.randint(0, 4, (4,))
+    with pytest.raises(RuntimeError, match="randomness") as theirs:
+        per_sample_grads(tf, model, params, {}, xs, ys)
+    with pytest.raises(type(theirs.value), match="randomness"):
+        per_sample_grads(tl, model, params, {}, xs, ys)
+
+
+def test_dropout_randomness_same_matches_torch_func_with_a_seed():
+    model = dropout_model()
+    params = detached_params(model)
+    xs, ys = torch.randn(6, 32), torch.randint(0, 4, (6,))
+    torch.manual_seed(123)
+    ours = per_sample_grads(tl, model, params, {}, xs, ys, randomness="same")
+    torch.manual_seed(123)
+    theirs = per_sample_grads(tf, model, params, {}, xs, ys, randomness="same")
+    assert_tree_close(ours, theirs)
+
+
+def test_dropout_randomness_same_uses_one_mask_for_the_batch():
+    w = torch.randn(256)
+    xs = torch.randn(8, 256)
+    torch.manual_seed(0)
+    g = tl.vmap(tl.grad(lambda w, x: (F.dropout(x, 0.5) * w).sum()), in_dims=(None, 0),
+                randomness="same")(w, xs)
+    kept = g != 0
+    assert g.shape == (8, 256)
+    assert (kept == kept[0]).all()
+    torch.testing.assert_close(g[kept], 2 * xs[kept])
+
+
+def test_dropout_randomness_different_statistics():
+    w = torch.randn(512)
+    xs = torch.randn(16, 512)
+
+    def run(lib):
+        f = lambda w, x: (F.dropout(x, 0.25) * w).sum()
+        return lib.vmap(lib.grad(f), in_dims=(None, 0), randomness="different")(w, xs)
+
+    torch.manual_seed(0)
+    ours = run(tl)
+    torch.manual_seed(0)
+    theirs = run(tf)
+    assert ours.shape == theirs.shape == (16, 512)
+    kept = ours != 0
+    torch.testing.assert_close(ours[kept], xs[kept] / 0.75)  # scaled by 1 / (1 - p)
+    rate = kept.float().mean(1)
+    assert ((rate > 0.65) & (rate < 0.85)).all()  # about 75% kept in every example
+    assert not (kept == kept[0]).all(1).all()  # the examples' masks differ
+    torch.testing.assert_close(rate.mean(), (theirs != 0).float().mean(), atol=0.03, rtol=0)
+
+
+def test_dropout_module_randomness_different_per_sample_grads():
+    model = dropout_model()
+    params = detached_params(model)
+    xs, ys = torch.randn(16, 32), torch.randint(0, 4, (16,))
+    torch.manual_seed(1)
+    ours = per_sample_grads(tl, model, params, {}, xs, ys, randomness="different")
+    torch.manual_seed(1)
+    theirs = per_sample_grads(tf, model, params, {}, xs, ys, randomness="different")
+    assert {k: v.shape for k, v in ours.items()} == {k: v.shape for k, v in theirs.items()}
+    # a dropped hidden unit has a zero column in the last layer's per-sample gradient
+    dropped = (ours["3.weight"] == 0).all(1).float().mean()
+    dropped_f = (theirs["3.weight"] == 0).all(1).float().mean()
+    assert 0.3 < dropped < 0.85 and abs(dropped - dropped_f) < 0.2
+
+
+# -- model ensembling -----------------------------------------------------------------
+
+def test_ensemble_of_mlps_with_stack_module_state():
+    models = [make_mlp() for _ in range(4)]
+    params, buffers = tl.stack_module_state(models)
+    params_f, buffers_f = tf.stack_module_state(models)
+    assert_tree_close(params, params_f)
+    base = make_mlp().to("meta")
+    xs = torch.randn(6, 10)
+    minibatches = torch.randn(4, 6, 10)
+
+    def run(lib, x, x_dim):
+        call = lambda p, b, x: lib.functional_call(base, (p, b), (x,))
+        return lib.vmap(call, in_dims=(0, 0, x_dim))(params, buffers, x)
+
+    same = run(tl, xs, None)
+    assert_tree_close(same, run(tf, xs, None))
+    assert_tree_close(same, torch.stack([m(xs) for m in models]).detach())
+    assert_tree_close(run(tl, minibatches, 0), run(tf, minibatches, 0))
+
+
+def test_ensemble_training_step_grads():
+    models = [make_mlp() for _ in range(4)]
+    params, buffers = tf.stack_module_state(models)
+    base = make_mlp().to("meta")
+    xs, ys = torch.randn(4, 6, 10), torch.randint(0, 5, (4, 6))
+
+    def run(lib):
+        def loss(p, b, x, y):
+            return F.cross_entropy(lib.functional_call(base, (p, b), (x,)), y)
+
+        return lib.vmap(lib.grad_and_value(loss))(params, buffers, xs, ys)
+
+    assert_tree_close(run(tl), run(tf))
+
+
+# -- Hessian-vector products ----------------------------------------------------------
+
+def smooth_loss(x):
+    return (x.sin() * x.roll(1)).sum() + (x ** 4).sum() / 4 + x.exp().sum()
+
+
+def banded_loss(x):
+    """Couples neighbours through slices (views) of the input."""
+    return (x[:-1] * x[1:]).exp().sum() + (x[1:] - x[:-1]).pow(2).sum()
+
+
+LOSSES = {"smooth": smooth_loss, "banded": banded_loss}
+
+HVP = {
+    "forward-over-reverse": lambda lib, f, x, v: lib.jvp(lib.grad(f), (x,), (v,))[1],
+    "reverse-over-reverse": lambda lib, f, x, v: lib.vjp(lib.grad(f), x)[1](v)[0],
+    "reverse-over-forward": lambda lib, f, x, v: lib.grad(
+        lambda y: lib.jvp(f, (y,), (v,))[1])(x),
+}
+
+
+@pytest.mark.parametrize("loss", list(LOSSES))
+@pytest.mark.parametrize("mode", list(HVP))
+def test_hessian_vector_product(mode, loss):
+    f = LOSSES[loss]
+    x, v = torch.randn(8), torch.randn(8)
+    ours = HVP[mode](tl, f, x, v)
+    assert_tree_close(ours, HVP[mode](tf, f, x, v))
+    torch.testing.assert_close(ours, tf.hessian(f)(x) @ v)
+
+
+@pytest.mark.parametrize("loss", list(LOSSES))
+@pytest.mark.parametrize("mode", list(HVP))
+def test_hessian_vector_products_for_a_batch_of_vectors(mode, loss):
+    x, vs = torch.randn(8), torch.randn(5, 8)
+    run = lambda lib: lib.vmap(lambda v: HVP[mode](lib, LOSSES[loss], x, v))(vs)
+    assert_tree_close(run(tl), run(tf))
+
+
+@pytest.mark.parametrize("loss", list(LOSSES))
+@pytest.mark.parametrize("mode", list(HVP))
+def test_per_example_hessian_vector_products(mode, loss):
+    xs, vs = torch.randn(5, 8), torch.randn(5, 8)
+    run = lambda lib: lib.vmap(lambda x, v: HVP[mode](lib, LOSSES[loss], x, v))(xs, vs)
+    assert_tree_close(run(tl), run(tf))
+
+
+def test_hvp_of_an_mlp_loss_over_parameters():
+    model = make_mlp()
+    params = detached_params(model)
+    xs, ys = torch.randn(8, 10), torch.randint(0, 5, (8,))
+    vs = {k: torch.randn_like(v) for k, v in params.items()}
+
+    def run(lib):
+        loss = lambda p: F.cross_entropy(lib.functional_call(model, p, (xs,)), ys)
+        return lib.jvp(lib.grad(loss), (params,), (vs,))
+
+    assert_tree_close(run(tl), run(tf))
+
+
+# -- second-order MAML ----------------------------------------------------------------
+
+def maml_meta_grad(lib, net, params, tasks, inner_lr=0.1, steps=2, first_order=False):
+    """Outer gradient of the query loss after ``steps`` inner SGD steps, over a batch of tasks."""
+
+    def loss(p, x, y):
+        return F.mse_loss(lib.functional_call(net, p, (x,)), y)
+
+    def task_loss(p, xs, ys, xq, yq):
+        for _ in range(steps):
+            g = lib.grad(loss)(p, xs, ys)
+            if first_order:
+                g = {k: v.detach() for k, v in g.items()}
+            p = {k: p[k] - inner_lr * g[k] for k in p}
+        return loss(p, xq, yq)
+
+    def meta_loss(p):
+        return lib.vmap(task_loss, in_dims=(None, 0, 0, 0, 0))(p, *tasks).mean()
+
+    return lib.grad_and_value(meta_loss)(params)
+
+
+def maml_setup():
+    net = nn.Sequential(nn.Linear(1, 24), nn.Tanh(), nn.Linear(24, 24), nn.Tanh(),
+                        nn.Linear(24, 1))
+    params = detached_params(net)
+    amp, phase = torch.rand(3, 1, 1) * 4 + 1, torch.rand(3, 1, 1) * 3
+    xs, xq = torch.rand(3, 10, 1) * 10 - 5, torch.rand(3, 10, 1) * 10 - 5
+    tasks = (xs, amp * torch.sin(xs + phase), xq, amp * torch.sin(xq + phase))
+    return net, params, tasks
+
+
+def test_maml_second_order_meta_gradient():
+    net, params, tasks = maml_setup()
+    ours = maml_meta_grad(tl, net, params, tasks)
+    theirs = maml_meta_grad(tf, net, params, tasks)
+    assert_tree_close(ours, theirs)
+    first_order = maml_meta_grad(tf, net, params, tasks, first_order=True)
+    assert any(not torch.allclose(a, b) for a, b in zip(tree_flatten(ours[0])[0],
+                                                         tree_flatten(first_order[0])[0]))
+
+
+def test_maml_meta_gradient_matches_torch_autograd_loop():
+    net, params, tasks = maml_setup()
+    grads, _ = maml_meta_grad(tl, net, params, tasks, steps=1)
+    leaves = {k: v.clone().requires_grad_() for k, v in params.items()}
+    total = 0
+    for xs, ys, xq, yq in zip(*tasks):
+        inner = F.mse_loss(torch.func.functional_call(net, leaves, (xs,)), ys)
+        g = torch.autograd.grad(inner, list(leaves.values()), create_graph=True)
+        fast = {k: v - 0.1 * gk for (k, v), gk in zip(leaves.items(), g)}
+        total = total + F.mse_loss(torch.func.functional_call(net, fast, (xq,)), yq)
+    expected = torch.autograd.grad(total / 3, list(leaves.values()))
+    assert_tree_close(grads, dict(zip(leaves, expected)))
+
+
+def test_maml_first_order_matches_torch_func():
+    net, params, tasks = maml_setup()
+    assert_tree_close(maml_meta_grad(tl, net, params, tasks, first_order=True),
+                      maml_meta_grad(tf, net, params, tasks, first_order=True))
+
+
+# -- molecular forces -----------------------------------------------------------------
+
+def lennard_jones_energy(pos, sigma=1.0, epsilon=1.0):
+    """Total pairwise 12-6 energy of one configuration (atoms, 3)."""
+    n = pos.shape[0]
+    diff = pos[:, None, :] - pos[None, :, :]
+    r2 = (diff ** 2).sum(-1) + torch.eye(n)  # the diagonal is masked out below
+    s6 = (sigma ** 2 / r2) ** 3
+    pair = 4 * epsilon * (s6 ** 2 - s6)
+    return torch.triu(pair, diagonal=1).sum()
+
+
+def lennard_jones_pairs(pos):
+    i, j = torch.triu_indices(pos.shape[0], pos.shape[0], 1)
+    r = (pos[i] - pos[j]).norm(dim=-1)
+    return (4 * ((1 / r) ** 12 - (1 / r) ** 6)).sum()
+
+
+def configurations(batch=4, atoms=6):
+    lattice = torch.stack(torch.meshgrid(torch.arange(2.0), torch.arange(3.0), torch.arange(1.0),
+                                         indexing="ij"), -1).reshape(-1, 3)[:atoms] * 1.2
+    return lattice + 0.1 * torch.randn(batch, atoms, 3)
+
+
+@pytest.mark.parametrize("energy", [lennard_jones_energy, lennard_jones_pairs])
+def test_forces_by_vmap_jacrev(energy):
+    pos = configurations()
+    ours = -tl.vmap(tl.jacrev(energy))(pos)
+    assert_tree_close(ours, -tf.vmap(tf.jacrev(energy))(pos))
+    assert ours.shape == pos.shape
+    torch.testing.assert_close(ours.sum(1), torch.zeros(4, 3), atol=1e-4, rtol=0)  # Newton III
+
+
+@pytest.mark.parametrize("energy", [lennard_jones_energy, lennard_jones_pairs])
+def test_forces_and_energies_by_vmap_grad_and_value(energy):
+    pos = configurations()
+    assert_tree_close(tl.vmap(tl.grad_and_value(energy))(pos),
+                      tf.vmap(tf.grad_and_value(energy))(pos))
+
+
+def test_force_constants_by_vmap_hessian():
+    pos = configurations(batch=2, atoms=4)
+    ours = tl.vmap(tl.hessian(lennard_jones_energy))(pos)
+    assert_tree_close(ours, tf.vmap(tf.hessian(lennard_jones_energy))(pos))
+    assert ours.shape == (2, 4, 3, 4, 3)
+
+
+def test_per_atom_force_jacobian_by_jacfwd_of_forces():
+    pos = configurations(batch=2, atoms=4)
+    force = lambda lib: lambda p: -lib.grad(lennard_jones_pairs)(p)
+    assert_tree_close(tl.vmap(tl.jacfwd(force(tl)))(pos), tf.vmap(tf.jacfwd(force(tf)))(pos))

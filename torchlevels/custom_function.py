@@ -1,0 +1,341 @@
+"""torch.autograd.Function subclasses inside levels: their own backward, jvp and vmap rules.
+
+``MyFn.apply`` runs above PyTorch's dispatcher, so a level's ``__torch_dispatch__`` would
+only see the ops of ``MyFn.forward`` and differentiate those, silently ignoring a custom
+backward (a straight-through estimator, a clipped gradient). PyTorch consults neither
+``__torch_function__`` nor a mode in ``apply``; torch.func hooks it through
+``_are_functorch_transforms_active()``, which only its own C++ level stack can switch on.
+So importing torchlevels wraps ``torch.autograd.Function.apply`` once: a call whose
+arguments hold no level tensor goes straight to PyTorch's ``apply``; otherwise the
+*innermost* level among the arguments handles it, the way functorch's
+``custom_function_call`` does, and each level redispatches ``MyFn.apply`` one level out:
+
+- a **grad level** applies a one-level Function (``MyFn``'s forward redispatched one level
+  out, ``MyFn``'s setup_context and backward) to its inner tensors with autograd on, so
+  PyTorch records ``MyFn.backward`` in that level's graph;
+- a **jvp level** applies the same one-level Function to dual tensors, so forward AD
+  calls ``MyFn.jvp``;
+- a **vmap level** calls ``MyFn.vmap``, or with ``generate_vmap_rule = True`` applies a
+  Function whose forward, setup_context, backward and jvp are ``MyFn``'s under a vmap
+  over the physical tensors (levels further out then see a custom backward too).
+
+Like torch.func, a user's Function must use the ``setup_context`` style under a
+transform. PyTorch's own ctx-style Functions run as before, their ops seen by the levels:
+the autograd kernel of a ``torch.library`` custom op is one, applied from inside the
+dispatcher to the tensors of enclosing levels.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any, NamedTuple
+
+import torch
+import torch.autograd.forward_ad as fwAD
+from torch.autograd.function import Function, _SingleLevelFunction
+
+from torchlevels._level import LevelTensor
+from torchlevels.autodiff import GradLevel, JvpLevel, _dual_level, _from_dual, _to_dual, _wrap
+from torchlevels.batching.composite import _deepest_level
+from torchlevels.vmap import BatchLevel, batch_level, wrap_batched
+
+_pytorch_apply = Function.apply.__func__  # PyTorch's own apply, called for non-level args
+
+
+class VmapInfo(NamedTuple):
+    """What a ``vmap`` staticmethod is told about the vmap level (as in torch.func)."""
+
+    batch_size: int
+    randomness: str
+
+
+def _apply(fn: type[Function], *args: Any, **kwargs: Any) -> Any:
+    """``Function.apply``: the innermost level among ``args`` handles the call, if any."""
+    cls = _deepest_level(args)
+    if cls is None or not cls._level.alive:
+        return _pytorch_apply(fn, *args, **kwargs)
+    if fn.setup_context is _SingleLevelFunction.setup_context:
+        if fn.__module__.startswith("torch."):
+            # PyTorch's own, e.g. a torch.library custom op's autograd kernel applied
+            # inside the dispatcher to the tensors of enclosing levels: they see its ops
+            return _pytorch_apply(fn, *args, **kwargs)
+        raise RuntimeError(
+            "In order to use an autograd.Function with functorch transforms "
+            "(vmap, grad, jvp, jacrev, ...), it must override the setup_context "
+            "staticmethod. For more details, please see "
+            "https://pytorch.org/docs/main/notes/extending.func.html"
+        )
+    bound = inspect.signature(fn.forward).bind(*args, **kwargs)
+    bound.apply_defaults()
+    args, kwargs = bound.args, bound.kwargs
+    level = cls._level
+    if isinstance(level, GradLevel):
+        return _grad_rule(cls, fn, args, kwargs)
+    if isinstance(level, JvpLevel):
+        return _jvp_rule(cls, fn, args, kwargs)
+    if isinstance(level, BatchLevel):
+        return _vmap_rule(cls, fn, args, kwargs)
+    return _pytorch_apply(fn, *args, **kwargs)  # a level with no rule: forward's ops
+
+
+def install() -> None:
+    """Route ``torch.autograd.Function.apply`` through the levels (done on import)."""
+    if Function.__dict__["apply"].__func__ is not _apply:
+        Function.apply = classmethod(functools.wraps(_pytorch_apply)(_apply))
+
+
+# -- grad and jvp: one autograd node on the inner tensors ----------------------------------
+
+
+def _one_level_out(fn: type[Function], kwargs: dict) -> type[_SingleLevelFunction]:
+    """A Function with ``fn``'s rules whose forward redispatches ``fn`` one level out."""
+    grad_on, fwd_grad_on = torch.is_grad_enabled(), torch._C._is_fwd_grad_enabled()
+
+    def forward(*inner):
+        if _deepest_level(inner) is None:  # plain tensors: nothing further out to record
+            return fn.forward(*inner, **kwargs)
+        # PyTorch's apply turned autograd off; enclosing levels record on their own tensors
+        with torch.set_grad_enabled(grad_on), fwAD._set_fwd_grad_enabled(fwd_grad_on):
+            return fn.apply(*inner, **kwargs)
+
+    def setup_context(ctx, inputs, output):
+        return fn.setup_context(ctx, inputs, output)
+
+    def backward(ctx, *grads):
+        return fn.backward(ctx, *grads)
+
+    def jvp(ctx, *tangents):
+        return fn.jvp(ctx, *tangents)
+
+    rules = {"forward": forward, "setup_context": setup_context, "backward": backward,
+             "jvp": jvp}
+    return type(f"{fn.__name__}OneLevel", (_SingleLevelFunction,),
+                {name: staticmethod(f) for name, f in rules.items()})
+
+
+def _keep_identity(out: Any, inner: tuple, args: tuple, wrap) -> Any:
+    """``wrap`` the outputs, except that an input returned as is stays the caller's object."""
+    originals = {id(i): a for i, a in zip(inner, args) if isinstance(i, torch.Tensor)}
+
+    def one(o):
+        if not isinstance(o, torch.Tensor):
+            return o
+        return originals[id(o)] if id(o) in originals else wrap(o)
+
+    return tuple(one(o) for o in out) if isinstance(out, tuple) else one(out)
+
+
+def _grad_rule(G: type[LevelTensor], fn, args: tuple, kwargs: dict) -> Any:
+    """Record ``fn.backward`` in G's graph, which lives on G's inner tensors."""
+    inner = tuple(a._inner if type(a) is G else a for a in args)
+    out = _one_level_out(fn, kwargs).apply(*inner)
+    return _keep_identity(out, inner, args, lambda o: _wrap(G, o) if o.requires_grad else o)
+
+
+def _jvp_rule(J: type[LevelTensor], fn, args: tuple, kwargs: dict) -> Any:
+    """Apply ``fn`` to dual tensors, so forward AD calls ``fn.jvp``."""
+    with _dual_level() as dual_level:
+        duals = tuple(_to_dual(a, J, dual_level) for a in args)
+        out = _one_level_out(fn, kwargs).apply(*duals)
+        return _from_dual(J, out, dual_level)
+
+
+# -- vmap: the vmap staticmethod, or fn's rules run under vmap -----------------------------
+
+
+def _has_vmap_staticmethod(fn) -> bool:
+    return fn.vmap is not Function.vmap
+
+
+def _vmap_rule(B: type[LevelTensor], fn, args: tuple, kwargs: dict) -> Any:
+    """Run ``fn`` on B's physical tensors, by its ``vmap`` staticmethod or a generated rule."""
+    level = B._level
+    if any(isinstance(v, torch.Tensor) for v in kwargs.values()):
+        raise NotImplementedError(
+            "Run vmap on autograd.Function with kwarg-only Tensor args. Please do not pass "
+            f"kwarg-only Tensors to autograd.Function. Got: {kwargs}"
+        )
+    inner = tuple(a._inner if type(a) is B else a for a in args)
+    in_dims = tuple(a._bdim if type(a) is B else None for a in args)
+    if fn.generate_vmap_rule:
+        if _has_vmap_staticmethod(fn):
+            raise RuntimeError(
+                f"You tried to vmap over {fn.__name__}, but it has both generate_vmap_rule=True "
+                "and an overridden vmap staticmethod. Please set generate_vmap_rule=False or "
+                "delete the overridden vmap staticmethod to avoid ambiguity."
+            )
+        vmapped, out_dims_of = _vmapped_function(fn, in_dims, level, kwargs)
+        out = vmapped.apply(*inner)  # levels further out see a Function too
+        out_dims = out_dims_of()
+    elif _has_vmap_staticmethod(fn):
+        result = fn.vmap(VmapInfo(level.batch_size, level.randomness), in_dims, *inner, **kwargs)
+        if not (isinstance(result, tuple) and len(result) == 2):
+            raise RuntimeError(
+                "Expected the vmap staticmethod to have two returns, an output and out_dims "
+                f"with pytree structure compatible with the output. Got {type(result)}"
+            )
+        out, out_dims = result
+    else:
+        raise RuntimeError(
+            f"You tried to vmap over {fn.__name__}, but it does not have vmap support. Please "
+            "override and implement the vmap staticmethod or set generate_vmap_rule=True. For "
+            "more details, please see https://pytorch.org/docs/main/notes/extending.func.html"
+        )
+    outs = out if isinstance(out, tuple) else (out,)
+    dims = _per_output(out_dims, len(outs))
+    wrapped = tuple(
+        _keep_identity(o, inner, args, lambda t, d=d: t if d is None else wrap_batched(B, t, d))
+        for o, d in zip(outs, dims)
+    )
+    return wrapped if isinstance(out, tuple) else wrapped[0]
+
+
+def _per_output(out_dims: Any, n: int) -> tuple:
+    if out_dims is None or isinstance(out_dims, int):
+        return (out_dims,) * n
+    if not (isinstance(out_dims, tuple) and len(out_dims) == n):
+        raise RuntimeError(
+            f"The autograd.Function's vmap staticmethod returned an incompatible (output, "
+            f"out_dims) tuple: out_dims={out_dims} for {n} outputs."
+        )
+    return out_dims
+
+
+def _under_vmap(func, tensors: tuple, dims: tuple, level: BatchLevel, ctx_of=None):
+    """``func`` on ``tensors`` batched at ``dims`` in a fresh vmap level: (outputs, dims)."""
+    with batch_level(level.randomness, level.batch_size) as B:
+        batched = tuple(t if d is None or not isinstance(t, torch.Tensor)
+                        else wrap_batched(B, t, d) for t, d in zip(tensors, dims))
+        out = func(B, *batched)
+        outs = out if isinstance(out, tuple) else (out,)
+        phys = tuple(o._inner if type(o) is B else o for o in outs)
+        out_dims = tuple(o._bdim if type(o) is B else None for o in outs)
+    return phys, out_dims
+
+
+class _BatchedCtx:
+    """``ctx`` as ``fn``'s rules see it under vmap: saved tensors are unwrapped on saving
+    (their batch dims kept on ``ctx``) and come back batched (``saved``)."""
+
+    def __init__(self, ctx, B=None, saved: tuple = ()) -> None:
+        object.__setattr__(self, "_tl_ctx", ctx)
+        object.__setattr__(self, "_tl_level", B)
+        object.__setattr__(self, "saved_tensors", saved)
+
+    def _unwrap(self, tensors: tuple) -> tuple[tuple, tuple]:
+        B = self._tl_level
+        return (tuple(t._inner if type(t) is B else t for t in tensors),
+                tuple(t._bdim if type(t) is B else None for t in tensors))
+
+    def save_for_backward(self, *tensors) -> None:
+        phys, self._tl_ctx._tl_backward_dims = self._unwrap(tensors)
+        self._tl_ctx.save_for_backward(*phys)
+
+    def save_for_forward(self, *tensors) -> None:
+        phys, self._tl_ctx._tl_forward_dims = self._unwrap(tensors)
+        self._tl_ctx.save_for_forward(*phys)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._tl_ctx, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._tl_ctx, name, value)
+
+
+def _vmapped_function(fn, in_dims: tuple, level: BatchLevel, kwargs: dict):
+    """A Function over physical tensors: ``fn``'s rules run under vmap at ``in_dims``.
+
+    Returns it and a getter for its outputs' batch dims (known once forward has run).
+    """
+    state: dict[str, Any] = {}
+
+    def forward(*phys):
+        def run(B, *xs):
+            out = fn.forward(*xs, **kwargs)
+            state["tuple"] = isinstance(out, tuple)
+            return out
+
+        out, state["out_dims"] = _under_vmap(run, phys, in_dims, level)
+        return out if state["tuple"] else out[0]
+
+    def setup_context(ctx, inputs, output):
+        outs = output if isinstance(output, tuple) else (output,)
+        n = len(inputs)
+        ctx._tl_shapes = [None] * n  # per-example input shapes, to reduce gradients to
+
+        def run(B, *xs):
+            batched_ctx = _BatchedCtx(ctx, B)
+            ctx._tl_shapes = [x.shape if isinstance(x, torch.Tensor) else None for x in xs[:n]]
+            out = xs[n:] if isinstance(output, tuple) else xs[n]
+            fn.setup_context(batched_ctx, xs[:n], out)
+
+        _under_vmap(run, (*inputs, *outs), (*in_dims, *state["out_dims"]), level)
+
+    def backward(ctx, *grads):
+        saved, saved_dims = ctx.saved_tensors, getattr(ctx, "_tl_backward_dims", ())
+        grad_dims = tuple(None if g is None else d for g, d in zip(grads, state["out_dims"]))
+        k = len(saved)
+
+        def run(B, *xs):
+            result = fn.backward(_BatchedCtx(ctx, saved=xs[:k]), *xs[k:])
+            return result if isinstance(result, tuple) else (result,)
+
+        grads_in, dims = _under_vmap(run, (*saved, *grads), (*saved_dims, *grad_dims), level)
+        return tuple(_reduce_to(g, d, in_d, s, level.batch_size)
+                     for g, d, in_d, s in zip(grads_in, dims, in_dims, ctx._tl_shapes))
+
+    def jvp(ctx, *tangents):
+        saved, saved_dims = ctx.saved_tensors, getattr(ctx, "_tl_forward_dims", ())
+        tangent_dims = tuple(None if t is None else d for t, d in zip(tangents, in_dims))
+        k = len(saved)
+
+        def run(B, *xs):
+            result = fn.jvp(_BatchedCtx(ctx, saved=xs[:k]), *xs[k:])
+            return result if isinstance(result, tuple) else (result,)
+
+        outs, dims = _under_vmap(run, (*saved, *tangents), (*saved_dims, *tangent_dims), level)
+        moved = tuple(_move_to(t, d, od, level.batch_size)
+                      for t, d, od in zip(outs, dims, state["out_dims"]))
+        return moved if len(moved) != 1 else moved[0]
+
+    rules = {"forward": forward, "setup_context": setup_context, "backward": backward,
+             "jvp": jvp}
+    vmapped = type(f"Vmapped{fn.__name__}", (Function,),
+                   {"generate_vmap_rule": True,
+                    **{name: staticmethod(f) for name, f in rules.items()}})
+    return vmapped, lambda: state["out_dims"]
+
+
+def _move_to(t: Any, dim: int | None, target: int | None, size: int) -> Any:
+    """Physical ``t`` with its batch dim ``dim`` moved to ``target`` (expanded if absent)."""
+    if t is None or dim == target:
+        return t
+    if target is None:
+        return t.sum(dim)
+    if dim is None:
+        t = t.unsqueeze(0).expand(size, *t.shape)
+        dim = 0
+    return t.movedim(dim, target)
+
+
+def _reduce_to(g: Any, dim: int | None, in_dim: int | None, shape, size: int) -> Any:
+    """A per-example gradient as the gradient of the physical input (batched at ``in_dim``):
+    summed over the batch for an unbatched input, and over broadcast dims."""
+    if g is None or shape is None:
+        return None if shape is None else g
+    if in_dim is None:
+        return _sum_to(g if dim is None else g.sum(dim), shape, 0)
+    return _sum_to(_move_to(g, dim, 0, size), shape, 1).movedim(0, in_dim)
+
+
+def _sum_to(g: torch.Tensor, shape, start: int) -> torch.Tensor:
+    """``g`` summed to ``shape`` over its broadcast dims, leaving its first ``start`` dims."""
+    lead = g.dim() - start - len(shape)
+    if lead:
+        g = g.sum(tuple(range(start, start + lead)))
+    ones = tuple(start + i for i, n in enumerate(shape) if n == 1 and g.shape[start + i] != 1)
+    return g.sum(ones, keepdim=True) if ones else g
+
+
+install()
