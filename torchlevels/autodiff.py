@@ -62,9 +62,16 @@ def _wrap(cls, inner: torch.Tensor, tangent: torch.Tensor | None = None) -> torc
 
 
 def _is_inplace(func) -> bool:
-    schema = func._schema
-    first = schema.arguments[0].alias_info if schema.arguments else None
-    return bool(first and first.is_write)
+    """Whether ``func`` writes its first argument (cached: it is asked on every op)."""
+    found = _inplace_by_id.get(id(func))
+    if found is None:
+        schema = func._schema
+        first = schema.arguments[0].alias_info if schema.arguments else None
+        found = _inplace_by_id[id(func)] = bool(first and first.is_write)
+    return found
+
+
+_inplace_by_id: dict[int, bool] = {}  # OpOverloads live for the process: id() is stable
 
 
 def _raise_captured_inplace(func, kind: str) -> None:
