@@ -492,3 +492,14 @@ def test_small_cnn_matches():
     x, t = torch.randn(B, 4, 3, 12, 12), torch.randint(0, 10, (B, 4))
     with torch.no_grad():
         check(lambda x, t: F.cross_entropy(net(x), t), x, t)
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_adaptive_max_pool_backward_with_shared_indices(k):
+    """A batched grad with unbatched self/indices: the kernel once crashed on expanded args."""
+    pool = (F.adaptive_max_pool2d, F.adaptive_max_pool3d)[k - 2]
+    op = (aten.adaptive_max_pool2d_backward, aten.adaptive_max_pool3d_backward)[k - 2]
+    x = torch.randn((1, 2) + (4,) * k)
+    out, idx = pool(x, 2, return_indices=True)
+    grads = torch.randn(B, *out.shape)
+    check(lambda g: op(g, x, idx), grads)

@@ -347,7 +347,8 @@ def jacrev(func: Callable, argnums: int | tuple[int, ...] = 0, *, has_aux: bool 
         flat_rows = tree_flatten(rows)[0]  # one per input: (sum of out numels, *input.shape)
         blocks = []
         for o, pieces in zip(flat_out, _split_rows(flat_rows, flat_out)):
-            per_input = [p.reshape(*o.shape, *t.shape) for p, t in zip(pieces, flat_in)]
+            per_input = [p.reshape(tuple(o.shape) + tuple(t.shape))
+                         for p, t in zip(pieces, flat_in)]
             inputs_tree = tree_unflatten(per_input, in_spec)
             blocks.append(inputs_tree[0] if isinstance(argnums, int) else inputs_tree)
         jac = tree_unflatten(blocks, out_spec)
@@ -404,15 +405,19 @@ def jacfwd(func: Callable, argnums: int | tuple[int, ...] = 0, has_aux: bool = F
                        has_aux=has_aux)
 
         basis = _basis(flat_in)
-        results = vmap(push, randomness=randomness)(*basis)
+        if basis[0].shape[0] == 0:  # empty inputs: nothing to push, every block is empty
+            zero = tuple(torch.zeros_like(t) for t in flat_in)
+            results = tree_map(lambda o: o.unsqueeze(0), push(*zero))
+        else:
+            results = vmap(push, randomness=randomness)(*basis)
         out, columns = results[0], results[1]
         flat_cols, out_spec = tree_flatten(columns)  # each (total in numel, *output.shape)
         primal = tree_map(lambda o: o[0], out)
         sizes = [t.numel() for t in flat_in]
         blocks = []
         for col, o in zip(flat_cols, tree_flatten(primal)[0]):
-            pieces = col.split(sizes)
-            per_input = [p.movedim(0, -1).reshape(*o.shape, *t.shape)
+            pieces = col[: sum(sizes)].split(sizes)
+            per_input = [p.movedim(0, -1).reshape(tuple(o.shape) + tuple(t.shape))
                          for p, t in zip(pieces, flat_in)]
             inputs_tree = tree_unflatten(per_input, in_spec)
             blocks.append(inputs_tree[0] if isinstance(argnums, int) else inputs_tree)

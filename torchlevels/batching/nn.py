@@ -29,10 +29,12 @@ def fold(x: torch.Tensor, bdim: int | None, size: int, full_rank: int):
     ``full_rank`` is the logical rank of an input that has an N dim; a logical input
     without one (``[C, *spatial]``) just lets the vmap batch play N.
     """
+    # contiguous: an expanded (stride-0) unbatched argument crashes some kernels, e.g.
+    # adaptive_max_pool3d_backward with shared indices
     x = materialize(x, bdim, size)
     if x.dim() == full_rank + 1:
-        return x.flatten(0, 1), x.shape[:2]
-    return x, x.shape[:1]
+        return x.flatten(0, 1).contiguous(), x.shape[:2]
+    return x.contiguous(), x.shape[:1]
 
 
 def unfold(out, lead):
