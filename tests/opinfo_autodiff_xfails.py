@@ -54,8 +54,6 @@ XFAILS: dict[str, dict[str, str]] = {
             'fft.ifft', 'fft.ihfft', 'fft.ihfftn'),
         **_each('core: masked_select under jacfwd',
             'masked_select'),
-        **_each("core: vmap randomness='error' raises for dropout that draws no random numbers (p=0)",
-            'nn.functional.alpha_dropout', 'nn.functional.dropout', 'nn.functional.dropout2d'),
     },
     'hessian': {
         **_each('core: wrong values',

@@ -107,8 +107,10 @@ def _random_in_levels(op, args, kwargs):
     """
     from torchlevels.vmap import BatchLevel, wrap_batched
 
-    if (op.overloadpacket in _DROPOUTS or op is aten.native_dropout.default) and not args[2]:
-        return passed_by(op, args, kwargs)  # dropout in eval mode draws nothing
+    if (op.overloadpacket in _DROPOUTS or op is aten.native_dropout.default) and (
+        not args[2] or (op.overloadpacket in _DROPOUTS and args[1] == 0)
+    ):
+        return passed_by(op, args, kwargs)  # dropout in eval mode, or of p=0, draws nothing
     classes = [c for c in enclosing_classes(innermost()) if isinstance(c._level, BatchLevel)]
     for cls in classes:
         if cls._level.randomness == "error":
