@@ -179,30 +179,40 @@ def convolution(func, args, dims, kwargs):
 
 @register(aten.convolution_backward.default)
 def convolution_backward(func, args, dims, kwargs):
-    """Unbatched weight and no weight grad: fold into N. Otherwise examples become groups,
-    so the weight and bias gradients come out per example."""
+    """A shared weight: the input gradient folds into N (one ungrouped kernel). Per-example
+    weight (and bias) gradients: examples become groups of one grouped kernel."""
     go, x, w, bias_sizes, stride, padding, dilation, transposed, output_padding, groups, mask = args
     size = batch_size(args, dims)
     w_rank = logical_rank(w, dims[2])
     has_n = logical_rank(x, dims[1]) == w_rank
     rest = (stride, padding, dilation, transposed, output_padding)
-    if dims[2] is None and not mask[1]:
-        go_n, lead = fold(go, dims[0], size, w_rank)
-        x_n, _ = fold(x, dims[1], size, w_rank)
+    if dims[2] is None:
         gi = None
         if mask[0]:
+            go_n, lead = fold(go, dims[0], size, w_rank)
+            x_n, _ = fold(x, dims[1], size, w_rank)
             gi = unfold(func(go_n, x_n, w, None, *rest, groups, [True, False, False])[0], lead)[0]
-        gb = None
-        if mask[2]:  # per example: sum over everything but the output channels
+        gw = gb = None
+        if mask[1]:
+            (_, gw, gb), _ = _grouped_backward(func, args, dims, size, has_n,
+                                               [False, True, mask[2]])
+            gb = gb if mask[2] else None  # the CPU kernel may fill outputs it was not asked for
+        elif mask[2]:  # per example: sum over everything but the output channels
             go = materialize(go, dims[0], size)
             gb = go.sum([d for d in range(1, go.dim()) if d != 1 + has_n])
-        return (gi, None, gb), (0 if mask[0] else None, None, 0 if mask[2] else None)
+        return (gi, gw, gb), tuple(None if t is None else 0 for t in (gi, gw, gb))
+    return _grouped_backward(func, args, dims, size, has_n, mask)
+
+
+def _grouped_backward(func, args, dims, size, has_n, mask):
+    """convolution_backward with the batch as groups: every gradient comes out per example."""
+    go, x, w, bias_sizes, stride, padding, dilation, transposed, output_padding, groups, _ = args
     go, x, w = (materialize(t, d, size) for t, d in zip(args[:3], dims[:3]))
     if not has_n:
         go, x = go.unsqueeze(1), x.unsqueeze(1)
     gi, gw, gb = func(go.transpose(0, 1).flatten(1, 2), x.transpose(0, 1).flatten(1, 2),
                       w.flatten(0, 1), None if bias_sizes is None else [size * bias_sizes[0]],
-                      *rest, groups * size, mask)
+                      stride, padding, dilation, transposed, output_padding, groups * size, mask)
     if gi is not None:
         gi = gi.unflatten(1, (size, -1)) if has_n else gi.squeeze(0)
     gw = None if gw is None else gw.unflatten(0, (size, -1))
