@@ -34,8 +34,6 @@ XFAILS: dict[str, dict[str, str]] = {
     'jacrev': {
         **_each('core: wrong values',
             'as_strided', 'as_strided.partial_views', 'as_strided_copy', 'as_strided_scatter', 'stft'),
-        **_each("core: level tensors do not carry the inner tensor's conj bit, so .imag/.real of a conj tensor reach view_as_real",
-            'fft.ifft', 'fft.ihfft', 'fft.ihfftn'),
         **_each('both: torch.func fails too: result 3: Tensor-likes are not close!; Mismatched elements: 18 / 36 (50.0%); Greatest abso',
             'native_group_norm'),
         **_each('core: the grad level makes autograd track an integer output (embedding_bag offsets)',
@@ -62,8 +60,6 @@ XFAILS: dict[str, dict[str, str]] = {
             '_native_batch_norm_legit', 'native_batch_norm', 'nn.functional.batch_norm'),
         **_each('core: sample 0: RuntimeError: vmap: aten.copy_.default(self, *extra_args) is not possible because there ex',
             'linalg.eig', 'linalg.eigh', 'linalg.householder_product', 'linalg.qr', 'linalg.svd', 'nn.functional.pad.circular', 'qr', 'svd'),
-        **_each('core: vmap per-example loop gets None from prims.where (relu6/hardsigmoid under jvp)',
-            'linalg.eigvals'),
         **_each('core: sample 0: RuntimeError: Trying to backward through prims.where.default but no autograd formula was r',
             'nn.functional.hardswish'),
         **_each('both: torch.func fails too: result 3: Tensor-likes are not close!; Mismatched elements: 36 / 36 (100.0%); Greatest abs',

@@ -197,3 +197,12 @@ def test_elementwise_prims_from_ref_decompositions(dims):
     args = [t if d is not None else t[0] for t, d in zip((a, b), dims)]
     ours = vmap_without_slow_loop(torch.ops.prims.mul.default, *args, in_dims=dims)
     torch.testing.assert_close(ours, loop_reference(torch.mul, args, dims))
+
+
+@pytest.mark.parametrize("name", ["fft", "rfft", "irfft", "view_as_real", "view_as_complex"])
+def test_fft_and_complex_views(name):
+    f = {"fft": torch.fft.fft, "rfft": torch.fft.rfft,
+         "irfft": lambda v: torch.fft.irfft(torch.fft.rfft(v)),
+         "view_as_real": lambda v: torch.view_as_real(torch.fft.fft(v)),
+         "view_as_complex": lambda v: torch.view_as_complex(torch.stack([v, v], -1))}[name]
+    check(f, (3, 4, 4))

@@ -747,3 +747,17 @@ def test_jvp_level_constant_has_zero_tangent_and_escape_raises():
 def test_grad_level_wrap_rejects_non_tensors():
     with grad_level() as G, pytest.raises(TypeError):
         G(3.0)
+
+
+def test_conjugate_views_inside_grad_match_torch_func():
+    """A grad-level tensor cannot show a conj bit: conj views are materialized, in the graph."""
+    x = torch.randn(3, dtype=torch.float64)
+
+    def f(v):
+        z = torch.complex(v, 2 * v).conj()
+        return z.imag.sum() + torch.fft.ifft(z).real.sum()
+
+    expected = torch.func.grad(f)(x)
+    torch.testing.assert_close(tl.grad(f)(x), expected)
+    # torch.func.jacrev cannot batch the _neg_view here; for a scalar f it is the gradient
+    torch.testing.assert_close(tl.jacrev(f)(x), expected)

@@ -117,11 +117,23 @@ class GradLevel(Level):
             _raise_captured_inplace(func, self.kind)
         with _restore_tls():  # autograd on again for the inner tensors, as the user set it
             out = func(*inner_args, **inner_kwargs)
+            if not _is_inplace(func):
+                out = _resolve_lazy_bits(out)  # recorded by autograd, so inside the block
         if _is_inplace(func):
             self_ = args[0]
             _follow_inner(self_)
             return self_
         return _wrap_all(cls, out)
+
+
+def _resolve_lazy_bits(out: Any) -> Any:
+    """Materialize conj/neg views: a wrapper cannot show the bit, and kernels run on the
+    wrapper would ignore it (``.imag`` of a conjugated tensor)."""
+    if isinstance(out, torch.Tensor):
+        return out.resolve_conj().resolve_neg() if out.is_conj() or out.is_neg() else out
+    if isinstance(out, (tuple, list)):
+        return type(out)(_resolve_lazy_bits(o) for o in out)
+    return out
 
 
 def _follow_inner(self: torch.Tensor) -> None:

@@ -105,6 +105,7 @@ register(
     aten.median.dim, aten.nanmedian.dim, aten.mode, aten.glu, aten.linalg_cross,
     aten.cumsum_, aten.cumprod_, aten.squeeze.dim, aten.squeeze.dims,
     aten.glu_backward, aten.logsumexp, aten.nansum, aten.count_nonzero,
+    aten._fft_c2c, aten._fft_r2c, aten._fft_c2r,
 )(dim_rule)
 
 

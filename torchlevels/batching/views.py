@@ -19,6 +19,12 @@ def view(func, args, dims, kwargs):
     return x.reshape(x.shape[0], *args[1]), 0
 
 
+@register(aten.view_as_real, aten.view_as_complex)
+def view_as_real_or_complex(func, args, dims, kwargs):
+    """The batch dim goes first, out of the way of the trailing (real, imag) dim."""
+    return func(to_front(args[0], dims[0]), **kwargs), 0
+
+
 @register(aten.view.dtype)
 def view_dtype(func, args, dims, kwargs):
     return to_front(args[0], dims[0]).view(args[1]), 0
