@@ -36,6 +36,7 @@ from torchlevels._level import (
     new_level_class,
     set_logical_meta,
 )
+from torchlevels.batching.registry import writes_first_argument
 
 _make_wrapper_subclass = torch.Tensor._make_wrapper_subclass
 _restore_tls = torch._C._RestorePythonTLSSnapshot
@@ -59,19 +60,6 @@ def _wrap(cls, inner: torch.Tensor, tangent: torch.Tensor | None = None) -> torc
     out._inner = inner
     out._tangent = tangent
     return out
-
-
-def _is_inplace(func) -> bool:
-    """Whether ``func`` writes its first argument (cached: it is asked on every op)."""
-    found = _inplace_by_id.get(id(func))
-    if found is None:
-        schema = func._schema
-        first = schema.arguments[0].alias_info if schema.arguments else None
-        found = _inplace_by_id[id(func)] = bool(first and first.is_write)
-    return found
-
-
-_inplace_by_id: dict[int, bool] = {}  # OpOverloads live for the process: id() is stable
 
 
 def _raise_captured_inplace(func, kind: str) -> None:
@@ -113,13 +101,14 @@ class GradLevel(Level):
     def dispatch(self, cls, func, args, kwargs):
         inner_args = [_unwrap_grad(a, cls) for a in args]
         inner_kwargs = {k: _unwrap_grad(v, cls) for k, v in kwargs.items()} if kwargs else {}
-        if _is_inplace(func) and type(args[0]) is not cls:
+        inplace = writes_first_argument(func)
+        if inplace and type(args[0]) is not cls:
             _raise_captured_inplace(func, self.kind)
         with _restore_tls():  # autograd on again for the inner tensors, as the user set it
             out = func(*inner_args, **inner_kwargs)
-            if not _is_inplace(func):
+            if not inplace:
                 out = _resolve_lazy_bits(out)  # recorded by autograd, so inside the block
-        if _is_inplace(func):
+        if inplace:
             self_ = args[0]
             _follow_inner(self_)
             return self_
@@ -181,13 +170,14 @@ class JvpLevel(Level):
         return _wrap(cls, tensor._inner, tensor._tangent)
 
     def dispatch(self, cls, func, args, kwargs):
-        if _is_inplace(func) and type(args[0]) is not cls:
+        inplace = writes_first_argument(func)
+        if inplace and type(args[0]) is not cls:
             _raise_captured_inplace(func, "jvp")
         with _dual_level() as level, _restore_tls(), _ad_inplace_or_view():
             dual_args = [_to_dual(a, cls, level) for a in args]
             dual_kwargs = {k: _to_dual(v, cls, level) for k, v in kwargs.items()}
             out = func(*dual_args, **dual_kwargs)
-            if _is_inplace(func):
+            if inplace:
                 self_ = args[0]
                 self_._inner, self_._tangent = fwAD.unpack_dual(dual_args[0], level=level)
                 _follow_inner(self_)

@@ -19,14 +19,10 @@ import torch
 
 from torchlevels.batching.dims import logical_rank, materialize, pad_to_rank, to_front, wrap_dim
 from torchlevels.batching.pointwise import pointwise_rule, raise_inplace_unbatched_self
-from torchlevels.batching.registry import batch_size, register
+from torchlevels.batching.registry import batch_size, register, writes_first_argument
 
 aten = torch.ops.aten
 MASK_DTYPES = (torch.bool, torch.uint8)
-
-
-def _is_inplace(func) -> bool:
-    return torch.Tag.inplace in func.tags
 
 
 def _out_of_place(func):
@@ -124,7 +120,7 @@ def index_put(func, args, dims, kwargs):
     """``self[indices] = values`` (accumulate or not), out of place or in place."""
     self, self_bdim, indices, index_dims = _index_args(args, dims)
     values, rest = args[2], args[3:]
-    inplace = _is_inplace(func)
+    inplace = writes_first_argument(func)
     if inplace and self_bdim is None:
         raise_inplace_unbatched_self(func)
     size = batch_size(args, dims)
@@ -172,7 +168,7 @@ def gather(func, args, dims, kwargs):
 def scatter(func, args, dims, kwargs):
     """scatter/scatter_add/scatter_reduce (and in place): all tensors batched first."""
     self, dim, index, src, *rest = args
-    inplace = _is_inplace(func)
+    inplace = writes_first_argument(func)
     if inplace and dims[0] is None:
         raise_inplace_unbatched_self(func)
     size = batch_size(args, dims)
@@ -223,7 +219,7 @@ def index_select(func, args, dims, kwargs):
 def index_update(func, args, dims, kwargs):
     """index_add/index_copy/index_fill/index_reduce (and in place) along ``dim``."""
     self, dim, index, source, *rest = args
-    inplace = _is_inplace(func)
+    inplace = writes_first_argument(func)
     if inplace and dims[0] is None:
         raise_inplace_unbatched_self(func)
     size = batch_size(args, dims)
@@ -290,7 +286,7 @@ def take(func, args, dims, kwargs):
 def masked_fill(func, args, dims, kwargs):
     """masked_fill: pointwise, except a batched fill value becomes a ``where``."""
     self, mask, value = args
-    inplace = _is_inplace(func)
+    inplace = writes_first_argument(func)
     if inplace and dims[0] is None:
         raise_inplace_unbatched_self(func)
     value_batched = dims[2] is not None
@@ -333,7 +329,7 @@ def masked_select(func, args, dims, kwargs):
 def masked_scatter(func, args, dims, kwargs):
     """masked_scatter: the k-th True of each example's mask takes its source's k-th value."""
     self, mask, source = args
-    inplace = _is_inplace(func)
+    inplace = writes_first_argument(func)
     if inplace and dims[0] is None:
         raise_inplace_unbatched_self(func)
     if self.dtype != source.dtype:

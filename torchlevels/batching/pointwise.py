@@ -12,7 +12,12 @@ from torch._prims import _prim_elementwise_meta
 from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
 
 from torchlevels.batching.dims import materialize, pad_to_rank, to_front
-from torchlevels.batching.registry import batch_size, register, register_family
+from torchlevels.batching.registry import (
+    batch_size,
+    register,
+    register_family,
+    writes_first_argument,
+)
 
 aten = torch.ops.aten
 DEFAULT_PROMOTION = ELEMENTWISE_TYPE_PROMOTION_KIND.DEFAULT
@@ -37,7 +42,7 @@ def pointwise_rule(func, args, dims, kwargs):
         elif d is not None:
             raise NotImplementedError(f"vmap: {func} got a batched list; no pointwise rule for it")
     fast = fast and rank == batched_rank  # no unbatched tensor outranks the batched ones
-    if dims[0] is None and (torch.Tag.inplace in func.tags or func is aten.copy_.default):
+    if dims[0] is None and writes_first_argument(func):
         raise_inplace_unbatched_self(func)
     promote = scalar_batched and len(dtypes) > 1
     if fast and not promote:

@@ -14,7 +14,7 @@ from torchlevels._level import LevelTensor, enclosing_classes, innermost
 from torchlevels.batching.dims import logical_shape, to_front
 from torchlevels.batching.pointwise import pointwise_rule
 from torchlevels.batching.predispatch import intercept, passed_by
-from torchlevels.batching.registry import register
+from torchlevels.batching.registry import register, writes_first_argument
 
 aten = torch.ops.aten
 
@@ -48,7 +48,7 @@ def rule(level, func, args, dims, kwargs):
     randomness = level.randomness
     if randomness == "error":
         raise RuntimeError(f"{ERROR} (got {func})")
-    inplace = torch.Tag.inplace in func.tags
+    inplace = writes_first_argument(func)
     if randomness == "different":
         if inplace and dims[0] is None:
             _raise_different_inplace(func)
@@ -126,7 +126,7 @@ def _random_in_levels(op, args, kwargs):
     for cls in different:
         first = tensors[0]
         if not _batched_at(args[first], cls):
-            if torch.Tag.inplace in op.tags:
+            if writes_first_argument(op):
                 _raise_different_inplace(op)
             size = cls._level.batch_size
             args[first] = wrap_batched(cls, args[first].expand(size, *args[first].shape), 0)

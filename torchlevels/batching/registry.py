@@ -111,11 +111,25 @@ def _resolve(func: OpOverload) -> Resolved:
     return Resolved(How.LOOP, loop_rule, inplace=inplace)
 
 
+def writes_first_argument(func: OpOverload) -> bool:
+    """Whether ``func`` writes its first argument in place (``add_``, ``copy_``, ``normal_``).
+
+    Cached by ``id(func)``: levels ask it on every op.
+    """
+    found = _writes_first.get(id(func))
+    if found is None:
+        first = func._schema.arguments[0].alias_info if func._schema.arguments else None
+        found = _writes_first[id(func)] = bool(first and first.is_write)
+    return found
+
+
+_writes_first: dict[int, bool] = {}
+
+
 def _is_inplace(func: OpOverload) -> bool:
-    schema = func._schema
-    first = schema.arguments[0].alias_info if schema.arguments else None
-    ret = schema.returns[0].alias_info if schema.returns else None
-    return bool(first and first.is_write and ret and ret.is_write)
+    """Writes its first argument and returns it: the level returns the caller's tensor."""
+    ret = func._schema.returns[0].alias_info if func._schema.returns else None
+    return writes_first_argument(func) and bool(ret and ret.is_write)
 
 
 def _decomposition(func: OpOverload) -> Callable | None:
