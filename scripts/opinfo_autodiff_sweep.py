@@ -39,7 +39,7 @@ from opinfo_autodiff_harness import (  # noqa: E402
     run_transform,
 )
 from opinfo_autodiff_xfails import CRASHES  # noqa: E402
-from torch.testing._internal.common_methods_invocations import op_db  # noqa: E402
+from opinfo_sweep import md_cell, selected_ops  # noqa: E402
 
 import torchlevels  # noqa: E402
 
@@ -121,17 +121,13 @@ def summary(results: dict, n_ops: int, seconds: float) -> str:
         only_levels, only_func, both = _split(rows)
         lines += ["", f"## {transform}", "",
                   f"### Fail only under torchlevels ({len(only_levels)})", ""]
-        lines += [f"- `{k}`: {_md(rows[k]['torchlevels']['detail'])}" for k in only_levels]
+        lines += [f"- `{k}`: {md_cell(rows[k]['torchlevels']['detail'])}" for k in only_levels]
         lines += ["", f"### Fail only under torch.func ({len(only_func)})", ""]
-        lines += [f"- `{k}`: {_md(rows[k]['torch.func']['detail'])}" for k in only_func]
+        lines += [f"- `{k}`: {md_cell(rows[k]['torch.func']['detail'])}" for k in only_func]
         lines += ["", f"### Fail under both ({len(both)})", ""]
-        lines += [f"- `{k}`: torchlevels: {_md(rows[k]['torchlevels']['detail'])}"
+        lines += [f"- `{k}`: torchlevels: {md_cell(rows[k]['torchlevels']['detail'])}"
                   for k in both]
     return "\n".join(lines) + "\n"
-
-
-def _md(text: str) -> str:
-    return text.replace("|", "\\|").replace("`", "'")[:240]
 
 
 def main() -> None:
@@ -141,8 +137,7 @@ def main() -> None:
     parser.add_argument("--json", help="also write the raw results here")
     opts = parser.parse_args()
     faulthandler.enable()  # a segfault names the op: add it to CRASHES
-    ops = [op for op in op_db
-           if not opts.only or op.name in opts.only or op_id(op) in opts.only]
+    ops = selected_ops(opts.only)
     transforms = tuple(opts.transforms or TRANSFORMS)
     start = time.perf_counter()
     results = sweep(ops, transforms)

@@ -96,18 +96,25 @@ def summary(results: dict, seconds: float) -> str:
         f"## Fail under torchlevels, pass under torch.func ({len(regressions)})",
         "",
     ]
-    lines += [f"- `{k}`: {_md(r['torchlevels']['detail'])}" for k, r in sorted(regressions.items())]
+    lines += [f"- `{k}`: {md_cell(r['torchlevels']['detail'])}"
+              for k, r in sorted(regressions.items())]
     lines += ["", f"## Pass under torchlevels, fail under torch.func ({len(better)})", ""]
-    lines += [f"- `{k}`: torch.func: {_md(results[k]['torch.func']['detail'])}" for k in better]
+    lines += [f"- `{k}`: torch.func: {md_cell(results[k]['torch.func']['detail'])}" for k in better]
     lines += ["", f"## Fail under both ({len(both)})", ""]
-    lines += [f"- `{k}`: {_md(results[k]['torchlevels']['detail'])}" for k in both]
+    lines += [f"- `{k}`: {md_cell(results[k]['torchlevels']['detail'])}" for k in both]
     lines += ["", f"## aten ops that fell to torchlevels' slow loop ({len(slow)})", ""]
     lines += [f"- `{a}`: {', '.join(f'`{k}`' for k in ks)}" for a, ks in sorted(slow.items())]
     return "\n".join(lines) + "\n"
 
 
-def _md(text: str) -> str:
+def md_cell(text: str) -> str:
+    """An error message made safe for a markdown list item, cut to a readable length."""
     return text.replace("|", "\\|").replace("`", "'")[:240]
+
+
+def selected_ops(only: list[str] | None) -> list:
+    """The OpInfos named by ``--only`` (names or ids), or all of op_db."""
+    return [op for op in op_db if not only or op.name in only or op_id(op) in only]
 
 
 def main() -> None:
@@ -115,8 +122,7 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", help="op names or ids to run")
     parser.add_argument("--json", help="also write the raw results here")
     opts = parser.parse_args()
-    ops = [op for op in op_db
-           if not opts.only or op.name in opts.only or op_id(op) in opts.only]
+    ops = selected_ops(opts.only)
     start = time.perf_counter()
     results = sweep(ops)
     text = summary(results, time.perf_counter() - start)
