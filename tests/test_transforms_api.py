@@ -5,6 +5,7 @@ error with the type torch.func raises for the same call.
 """
 
 import doctest
+import sys
 
 import pytest
 import torch
@@ -680,7 +681,8 @@ def test_jvp_level_docstring_example():
 
 
 def test_autodiff_and_transforms_docstrings_run():
-    for module in (torchlevels.autodiff, torchlevels.transforms):
+    vmap_module = sys.modules["torchlevels.vmap"]  # the package attribute is the function
+    for module in (torchlevels.autodiff, torchlevels.transforms, vmap_module):
         result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
         assert result.failed == 0, module.__name__
         assert result.attempted > 0

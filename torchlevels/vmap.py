@@ -27,6 +27,14 @@ _restore_tls = torch._C._RestorePythonTLSSnapshot
 RANDOMNESS = ("error", "different", "same")
 
 
+def _check_randomness(randomness: str) -> None:
+    if randomness not in RANDOMNESS:
+        raise RuntimeError(
+            "Only allowed values for randomness are 'error', 'different', or 'same'. "
+            f"Got {randomness}"
+        )
+
+
 class BatchLevel(Level):
     """One vmap invocation: its batch size (fixed by the first wrapped tensor) and randomness."""
 
@@ -34,11 +42,7 @@ class BatchLevel(Level):
 
     def __init__(self, randomness: str = "error", batch_size: int | None = None) -> None:
         super().__init__()
-        if randomness not in RANDOMNESS:
-            raise RuntimeError(
-                "Only allowed values for randomness are 'error', 'different', or 'same'. "
-                f"Got {randomness}"
-            )
+        _check_randomness(randomness)
         self.randomness = randomness
         self.batch_size = batch_size
 
@@ -265,20 +269,15 @@ def vmap(
         >>> x, y = torch.randn(5, 3), torch.randn(5, 3)
         >>> torch.allclose(vmap(torch.dot)(x, y), (x * y).sum(1))
         True
+        >>> xs, ys = torch.randn(10, 2), torch.randn(15, 2)  # random ops inside would raise
         >>> with vmap() as B0, vmap() as B1:
-        ...     z = B0(torch.randn(10, 2)) + B1(torch.randn(15, 2))
+        ...     z = B0(xs) + B1(ys)
         ...     B0.unwrap(B1.unwrap(z)).shape
         torch.Size([10, 15, 2])
     """
+    _check_randomness(randomness)
     if func is None:
-        if randomness not in RANDOMNESS:
-            BatchLevel(randomness)  # raises the error
         return batch_level(randomness)
-    if randomness not in RANDOMNESS:
-        raise RuntimeError(
-            "Only allowed values for randomness are 'error', 'different', or 'same'. "
-            f"Got {randomness}"
-        )
     if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size <= 0):
         raise ValueError(f"vmap: chunk_size should be None or greater than 0. (got {chunk_size})")
 
