@@ -163,6 +163,8 @@ def _pointwise_fast_path(cls, func, args, kwargs):
     out = func(*phys, **kwargs)
     if not isinstance(out, torch.Tensor):
         return tuple(wrap_batched(cls, o, 0) for o in out)
+    # wrap_batched inlined for a fresh pointwise output (bdim 0, no offset, no conj bit):
+    # about 1 us of the ~10 us this path costs per op
     shape = out.shape
     wrapped = _make_wrapper_subclass(
         cls, shape[1:], strides=out.stride()[1:], dtype=out.dtype, device=out.device
