@@ -145,12 +145,7 @@ def test_pair(chain, fname):
     check(chain, FUNCTIONS[fname])
 
 
-KNOWN_FAILURES = {
-    ("jacfwd(jacfwd(jacfwd))", "outer_norm"): (
-        "core: three nested forward levels share one dual level; make_dual's tangent copy "
-        "lands in a tensor of another level and trips the captured-mutation check"
-    ),
-}
+KNOWN_FAILURES: dict[tuple[str, str], str] = {}  # (chain, function) -> why it fails
 
 
 @pytest.mark.parametrize("fname", list(FUNCTIONS))

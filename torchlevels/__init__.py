@@ -4,6 +4,15 @@ from torchlevels._level import EscapedTensorError, LevelTensor, UnrelatedLevelsE
 from torchlevels.autodiff import grad_level, jvp_level
 from torchlevels.batching.registry import register as register_batching_rule
 from torchlevels.custom_function import VmapInfo
+from torchlevels.tools import (
+    DataDependentError,
+    ForwardingLevel,
+    compile,
+    count_flops,
+    forwarding_level,
+    log_ops,
+    trace,
+)
 from torchlevels.transforms import (
     functional_call,
     grad,
@@ -19,10 +28,15 @@ from torchlevels.transforms import (
 from torchlevels.vmap import vmap
 
 __all__ = [
+    "DataDependentError",
     "EscapedTensorError",
+    "ForwardingLevel",
     "LevelTensor",
     "UnrelatedLevelsError",
     "VmapInfo",
+    "compile",
+    "count_flops",
+    "forwarding_level",
     "functional_call",
     "grad",
     "grad_and_value",
@@ -33,8 +47,10 @@ __all__ = [
     "jvp",
     "jvp_level",
     "linearize",
+    "log_ops",
     "register_batching_rule",
     "stack_module_state",
+    "trace",
     "vjp",
     "vmap",
 ]

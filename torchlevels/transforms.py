@@ -360,7 +360,9 @@ def jacrev(func: Callable, argnums: int | tuple[int, ...] = 0, *, has_aux: bool 
 def _basis(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """One-hot rows for all ``tensors`` at once: entry i is (total numel, *tensors[i].shape)."""
     total = sum(t.numel() for t in tensors)
-    eye = torch.eye(total, dtype=tensors[0].dtype, device=tensors[0].device)
+    # made from the tensors, so it lives at their level: a tool level outside sees its ops
+    eye = tensors[0].new_zeros(total, total)
+    eye.diagonal().fill_(1)
     out, start = [], 0
     for t in tensors:
         out.append(eye[:, start:start + t.numel()].to(t.dtype).reshape(total, *t.shape))

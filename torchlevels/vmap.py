@@ -82,7 +82,10 @@ class BatchLevel(Level):
                 "vmap: a batched tensor cannot be returned with out_dim=None; "
                 "only unbatched outputs may use out_dims=None"
             )
-        return tensor._inner.movedim(tensor._bdim, out_dim)
+        inner = tensor._inner
+        if out_dim % inner.dim() == tensor._bdim:
+            return inner  # as torch.func does: no identity permute in eager or in a trace
+        return inner.movedim(tensor._bdim, out_dim)
 
     def rewrap(self, cls, tensor: torch.Tensor) -> torch.Tensor:
         """A new tensor object for the same batched value (no op is dispatched)."""

@@ -1,0 +1,199 @@
+"""Flop counting and op logging as levels, checked against FlopCounterMode and the shapes
+each position sees."""
+
+import io
+
+import pytest
+import torch
+import torch.func as tf
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
+
+import torchlevels as tl
+
+# -- count_flops --------------------------------------------------------------------------
+
+
+def make_mlp():
+    return nn.Sequential(nn.Linear(784, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
+                         nn.Linear(256, 10))
+
+
+def make_cnn():
+    return nn.Sequential(nn.Conv2d(1, 8, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(8, 16, 3),
+                         nn.ReLU(), nn.Flatten(), nn.Linear(16 * 11 * 11, 10))
+
+
+def make_transformer_block():
+    return nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+
+
+MODELS = {
+    "mlp": (make_mlp, lambda: (torch.randn(16, 784), torch.randint(0, 10, (16,))),
+            F.cross_entropy),
+    "cnn": (make_cnn, lambda: (torch.randn(8, 1, 28, 28), torch.randint(0, 10, (8,))),
+            F.cross_entropy),
+    "transformer block": (make_transformer_block,
+                          lambda: (torch.randn(4, 10, 32), torch.randn(4, 10, 32)), F.mse_loss),
+}
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_count_flops_of_grad_equals_flop_counter_mode_forward_and_backward(name):
+    make, data, loss = MODELS[name]
+    model, (x, y) = make(), data()
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    cf = tl.count_flops(tl.grad(lambda p: loss(tl.functional_call(model, p, (x,)), y)))
+    grads = cf(params)
+    with FlopCounterMode(display=False) as mode:
+        loss(model(x), y).backward()
+    assert cf.total == mode.get_total_flops() > 0
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(grads[k], p.grad)
+
+
+def test_count_flops_outside_vmap_counts_the_batched_ops_and_inside_one_examples():
+    w = torch.randn(32, 16)
+    xs = torch.randn(5, 10, 32)
+    f = lambda x: (x @ w).relu() @ w.T
+    with FlopCounterMode(display=False) as batched:
+        f(xs)
+    with FlopCounterMode(display=False) as one:
+        f(xs[0])
+    outside = tl.count_flops(tl.vmap(f))
+    torch.testing.assert_close(outside(xs), tf.vmap(f)(xs))
+    inside = tl.count_flops(f)
+    torch.testing.assert_close(tl.vmap(inside)(xs), tf.vmap(f)(xs))
+    assert outside.total == batched.get_total_flops() == 5 * one.get_total_flops()
+    assert inside.total == one.get_total_flops()
+
+
+def test_count_flops_counts_forward_and_backward_of_vmap_grad():
+    w = torch.randn(16, 8)
+    xs = torch.randn(6, 3, 16)
+    loss = lambda w, x: (x @ w).tanh().sum()
+    cf = tl.count_flops(tl.vmap(tl.grad(loss), in_dims=(None, 0)))
+    torch.testing.assert_close(cf(w, xs), tf.vmap(tf.grad(loss), in_dims=(None, 0))(w, xs))
+    with FlopCounterMode(display=False) as mode:  # the same ops with batched autograd
+        wb = w.expand(6, 16, 8).clone().requires_grad_()
+        torch.autograd.grad(loss(wb, xs), wb)
+    assert cf.total == mode.get_total_flops()
+
+
+@pytest.mark.parametrize("transform", ["jacrev", "jacfwd", "hessian"])
+def test_count_flops_counts_jacobians_and_hessians(transform):
+    w = torch.randn(6, 6, dtype=torch.float64)
+    f = (lambda x: (w @ x.sin()).pow(2).sum()) if transform == "hessian" else (
+        lambda x: w @ (w @ x).tanh())
+    x = torch.randn(6, dtype=torch.float64)
+    ours = getattr(tl, transform)(f)
+    cf = tl.count_flops(ours)
+    torch.testing.assert_close(cf(x), getattr(tf, transform)(f)(x))
+    graph = tl.trace(ours)(x)  # the same physical ops, counted by PyTorch's own counter
+    with FlopCounterMode(display=False) as mode:
+        graph(x)
+    assert cf.total == mode.get_total_flops() > 0
+    if transform != "hessian":  # (torch.func's hessian batches one product as bmm, ours not)
+        with FlopCounterMode(display=False) as mode:
+            getattr(tf, transform)(f)(x)
+        assert cf.total == mode.get_total_flops()
+
+
+def test_count_flops_lists_ops_with_no_formula_instead_of_counting_zero():
+    w, x = torch.randn(8, 4), torch.randn(4)
+    cf = tl.count_flops(lambda w: (w @ x).exp().sum())
+    cf(w)
+    with FlopCounterMode(display=False) as mode:
+        (w @ x).exp().sum()
+    assert cf.total == mode.get_total_flops()
+    assert {"aten.mv", "aten.exp", "aten.sum"} <= set(cf.uncounted)
+    table = cf.table()
+    assert "no flop formula" in table and "aten.mv" in table
+
+
+def test_count_flops_context_manager_and_table():
+    a, b = torch.randn(3, 5), torch.randn(5, 2)
+    with tl.count_flops() as FC:
+        y = FC(a) @ b
+        y = y @ b.T
+    with FlopCounterMode(display=False) as mode:
+        (a @ b) @ b.T
+    assert FC.total == mode.get_total_flops()
+    assert FC.by_op == {"aten.mm": mode.get_total_flops()}
+    assert FC.calls["aten.mm"] == 2
+    rows = FC.table().splitlines()
+    assert rows[0].split() == ["op", "calls", "FLOPs", "share"]
+    assert rows[1].split()[:2] == ["aten.mm", "2"] and rows[1].endswith("100.0%")
+
+
+def test_count_flops_counts_each_call_afresh():
+    cf = tl.count_flops(lambda x: x @ x)
+    cf(torch.randn(4, 4))
+    first = cf.total
+    cf(torch.randn(8, 8))
+    assert cf.total == 8 * first  # (8/4)^3: the second call's counts only
+
+
+def test_count_flops_keeps_autograd_outside_working():
+    x = torch.randn(4, 3, requires_grad=True)
+    w = torch.randn(3, 2)
+    out = tl.count_flops(lambda x: (x @ w).sin().sum())(x)
+    out.backward()
+    torch.testing.assert_close(x.grad, torch.cos(x.detach() @ w) @ w.T)
+
+
+def test_count_flops_follows_in_place_ops():
+    def f(x):
+        y = x.clone()
+        y.mul_(2).unsqueeze_(0)
+        return y @ y.mT
+
+    cf = tl.count_flops(f)
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(cf(x), f(x))
+    assert "aten.mul_" in cf.uncounted and cf.by_op.keys() == {"aten.bmm"}
+
+
+# -- log_ops -----------------------------------------------------------------------------
+
+
+def logged_lines(run) -> list[str]:
+    out = io.StringIO()
+    run(out)
+    return out.getvalue().splitlines()
+
+
+def test_log_ops_shows_batched_shapes_outside_vmap_and_one_example_inside():
+    xs = torch.randn(5, 3)
+    outside = logged_lines(lambda out: tl.log_ops(tl.vmap(torch.sin), file=out)(xs))
+    inside = logged_lines(lambda out: tl.vmap(tl.log_ops(torch.sin, file=out))(xs))
+    assert outside == ["aten.sin.default(f32[5, 3]) -> f32[5, 3]"]
+    assert inside == ["aten.sin.default(f32[3]) -> f32[3]"]
+
+
+def test_log_ops_outside_grad_sees_the_backward_ops():
+    x = torch.randn(4, dtype=torch.float64)
+    lines = logged_lines(
+        lambda out: tl.log_ops(tl.grad(lambda x: x.sin().sum()), file=out)(x))
+    ops = [line.split("(")[0] for line in lines]
+    assert ops[:2] == ["aten.sin.default", "aten.sum.default"]
+    assert "aten.cos.default" in ops  # sin's derivative, run by the backward pass
+    assert all(line.count("f64[") >= 1 for line in lines if "cos" in line)
+
+
+def test_log_ops_context_manager_and_arguments():
+    out = io.StringIO()
+    with tl.log_ops(file=out) as L:
+        y = L(torch.ones(2, 3, dtype=torch.int64)).sum(dim=1, keepdim=True)
+    assert L.unwrap(y).shape == (2, 1)
+    assert out.getvalue() == "aten.sum.dim_IntList(i64[2, 3], [1], True) -> i64[2, 1]\n"
+
+
+def test_tools_compose_with_each_other_in_either_order():
+    x = torch.randn(4, 4)
+    log = io.StringIO()
+    cf = tl.count_flops(tl.log_ops(lambda x: x @ x, file=log))
+    torch.testing.assert_close(cf(x), x @ x)
+    assert cf.by_op == {"aten.mm": 2 * 4 * 4 * 4}
+    assert log.getvalue().startswith("aten.mm.default(f32[4, 4], f32[4, 4])")

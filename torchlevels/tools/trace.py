@@ -1,0 +1,171 @@
+"""Trace and replay: ``trace(f)`` records the plain aten ops that ``f`` runs through every
+transform inside it; ``compile(f)`` caches one trace per input signature and replays it.
+
+The tracer is PyTorch's ``make_fx``, a ``__torch_dispatch__`` mode: a mode sees an op only
+after every level has unwrapped its tensors, so the graph holds the physical ops of
+``vmap(grad(f))``, forward and backward, and none of the Python that chose them. Replaying
+the graph skips that Python, which is where the per-op overhead of levels goes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.fx import GraphModule
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from torchlevels._level import LevelTensor
+from torchlevels.tools.forwarding import wraps_function
+
+__all__ = ["DataDependentError", "compile", "trace"]
+
+aten = torch.ops.aten
+
+
+class DataDependentError(RuntimeError):
+    """``f`` reads tensor values into Python, so one trace cannot stand for other inputs."""
+
+
+def trace(func: Callable) -> Callable[..., GraphModule]:
+    """``trace(f)(*args)``: a ``torch.fx.GraphModule`` of the plain aten ops ``f`` runs on
+    ``args``, traced through every transform inside ``f`` (vmap, grad, jvp, user levels).
+
+    The graph takes the tensors of ``args`` (and of ``kwargs``), flattened in pytree order,
+    and returns ``f``'s tensor outputs, flattened; tensors ``f`` captures are constants of
+    the graph (the same objects, so updating them in place is seen). Non-tensor arguments
+    are fixed at their traced values. Raises :class:`DataDependentError` if ``f`` reads a
+    tensor's value into Python (``.item()``, ``if t:``, ``.tolist()``): the graph would
+    hold the branch taken for these inputs only. Call it outside every transform.
+
+    Example::
+
+        >>> import torch
+        >>> from torchlevels import grad, trace, vmap
+        >>> gm = trace(vmap(grad(lambda x: x.sin().sum())))(torch.randn(3, 4))
+        >>> ops = {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
+        >>> "aten.cos.default" in ops  # the backward of sin, batched: plain aten ops only
+        True
+        >>> x = torch.randn(3, 4)
+        >>> torch.equal(gm(x)[0], torch.cos(x))
+        True
+    """
+
+    def traced(*args: Any, **kwargs: Any) -> GraphModule:
+        return _trace(func, args, kwargs)[0]
+
+    return traced
+
+
+def _trace(func: Callable, args: tuple, kwargs: dict) -> tuple[GraphModule, Any]:
+    """The graph of ``func`` on these inputs, and the pytree spec of its outputs."""
+    flat, spec = tree_flatten((args, kwargs))
+    tensors = [i for i, a in enumerate(flat) if isinstance(a, torch.Tensor)]
+    if any(isinstance(flat[i], LevelTensor) for i in tensors):
+        raise ValueError(
+            "trace/compile: got a tensor of a live transform as an input. Trace from outside "
+            "every transform: write trace(vmap(f)) rather than vmap(trace(f))."
+        )
+    out_spec = None
+
+    def flat_func(*tensor_args: torch.Tensor) -> list:
+        nonlocal out_spec
+        leaves = list(flat)
+        for i, t in zip(tensors, tensor_args):
+            leaves[i] = t
+        a, k = tree_unflatten(leaves, spec)
+        out, out_spec = tree_flatten(func(*a, **k))
+        return out
+
+    try:
+        gm = make_fx(flat_func)(*(flat[i] for i in tensors))
+    except RuntimeError as e:
+        if "data-dependent" not in str(e):
+            raise
+        raise DataDependentError(_data_dependent(func, "aten._local_scalar_dense")) from e
+    _check_no_python_values(gm, func)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    return gm, out_spec
+
+
+# Ops that hand a tensor's values (not its metadata) to Python.
+_READS_VALUES = {aten._local_scalar_dense.default, aten.equal.default, aten.is_nonzero.default}
+
+
+def _check_no_python_values(gm: GraphModule, func: Callable) -> None:
+    """Raise if the graph handed a tensor's values to Python, which then decided things."""
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in _READS_VALUES:
+            raise DataDependentError(_data_dependent(func, str(node.target.overloadpacket)))
+
+
+def _data_dependent(func: Callable, op: str) -> str:
+    name = getattr(func, "__name__", repr(func))
+    return (
+        f"trace/compile: {name} reads a tensor's value into Python ({op}, from `.item()`, "
+        "`if t:`, `.tolist()`, `torch.equal` or a shape that depends on values), so a traced "
+        "graph would hold what Python did for these inputs only. Keep such code out of the "
+        "traced function, express the branch with torch.where, or run it eagerly."
+    )
+
+
+class CompiledFunction:
+    """``compile(f)``: one trace per input signature, cached and replayed."""
+
+    def __init__(self, func: Callable, backend: str | Callable | None) -> None:
+        self.func = func
+        self.backend = backend
+        self.cache: dict[Any, tuple[Callable, Any, list[int]]] = {}
+        wraps_function(func, self)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        flat, spec = tree_flatten((args, kwargs))
+        key = (spec, torch.is_grad_enabled(), *(_signature(a) for a in flat))
+        entry = self.cache.get(key)
+        if entry is None:
+            gm, out_spec = _trace(self.func, args, kwargs)
+            run = gm if self.backend is None else torch.compile(gm, backend=self.backend)
+            tensors = [i for i, a in enumerate(flat) if isinstance(a, torch.Tensor)]
+            entry = self.cache[key] = (run, out_spec, tensors)
+        run, out_spec, tensors = entry
+        return tree_unflatten(run(*(flat[i] for i in tensors)), out_spec)
+
+
+def _signature(a: Any) -> Any:
+    """What a trace depends on: a tensor's metadata, any other argument's value."""
+    if isinstance(a, torch.Tensor):
+        return (a.shape, a.stride(), a.dtype, a.device, a.requires_grad)
+    try:
+        hash(a)
+    except TypeError:
+        return ("id", id(a))
+    return (type(a), a)
+
+
+def compile(func: Callable, backend: str | Callable | None = None) -> Callable:
+    """``f`` traced once per input signature (the pytree structure, each tensor's shape,
+    strides, dtype, device and requires_grad, every other argument's value, grad mode) and
+    replayed from the cached graph: the ops of ``f`` with none of the Python per op.
+
+    ``backend=None`` replays the ``torch.fx`` graph as is; ``backend="inductor"`` (or any
+    ``torch.compile`` backend) compiles each graph with ``torch.compile``. Results equal
+    eager. A new signature traces again. ``f`` must not read tensor values into Python
+    (``.item()``, ``if t:``): that raises :class:`DataDependentError` at the first call,
+    because replaying would silently repeat the branch taken when tracing.
+    Random ops draw fresh numbers on every replay, as eager does.
+
+    Example::
+
+        >>> import torch
+        >>> import torchlevels
+        >>> f = torchlevels.compile(torchlevels.vmap(torchlevels.grad(lambda x: x.sin().sum())))
+        >>> x = torch.randn(3, 4)
+        >>> torch.allclose(f(x), torch.cos(x))
+        True
+        >>> len(f.cache)  # a second call with the same signature replays
+        1
+    """
+    return CompiledFunction(func, backend)
