@@ -116,7 +116,8 @@ def plot_group(key: str, group: Group, results: list[Result]) -> Path:
                 if impl in r.timings]  # a reference may be missing from some rows
         ys = [i + (j - (len(impls) - 1) / 2) * height for i, _ in rows]
         us = [u for _, u in rows]
-        bars = ax.barh(ys, us, height, label=impl, color=IMPL_COLORS[impl])
+        label = dict(zip((TORCH_FUNC, TORCHLEVELS), group.labels)).get(impl, impl)
+        bars = ax.barh(ys, us, height, label=label, color=IMPL_COLORS[impl])
         ax.bar_label(bars, labels=[fmt_time(u / scale) for u in us], padding=3, fontsize=8)
     ax.set_yticks(range(len(results)))
     ax.set_yticklabels(
@@ -183,7 +184,8 @@ def render(results: dict[str, list[Result]], groups: dict[str, Group], info: dic
             "",
             group.description,
             "",
-            "| benchmark | torch.func median | torchlevels median | ratio | target | met? |"
+            f"| benchmark | {group.labels[0]} median | {group.labels[1]} median | ratio | "
+            "target | met? |"
             + "".join(f" {name} |" for name in refs),
             "|---|---:|---:|---:|---:|---|" + "---:|" * len(refs),
         ]

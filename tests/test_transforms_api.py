@@ -682,7 +682,10 @@ def test_jvp_level_docstring_example():
 
 def test_autodiff_and_transforms_docstrings_run():
     vmap_module = sys.modules["torchlevels.vmap"]  # the package attribute is the function
-    for module in (torchlevels.autodiff, torchlevels.transforms, vmap_module):
+    tools = [sys.modules[f"torchlevels.tools.{name}"]
+             for name in ("flops", "forwarding", "oplog", "trace")]
+    for module in (torchlevels.autodiff, torchlevels.transforms, vmap_module,
+                   sys.modules["torchlevels._level"], *tools):
         result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
         assert result.failed == 0, module.__name__
         assert result.attempted > 0

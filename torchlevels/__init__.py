@@ -1,6 +1,12 @@
 """torchlevels: composable function transforms where every level is a fresh Tensor subclass."""
 
-from torchlevels._level import EscapedTensorError, LevelTensor, UnrelatedLevelsError
+from torchlevels._level import (
+    EscapedTensorError,
+    Level,
+    LevelTensor,
+    UnrelatedLevelsError,
+    enter_level,
+)
 from torchlevels.autodiff import grad_level, jvp_level
 from torchlevels.batching.registry import register as register_batching_rule
 from torchlevels.custom_function import VmapInfo
@@ -9,7 +15,6 @@ from torchlevels.tools import (
     ForwardingLevel,
     compile,
     count_flops,
-    forwarding_level,
     log_ops,
     trace,
 )
@@ -31,12 +36,13 @@ __all__ = [
     "DataDependentError",
     "EscapedTensorError",
     "ForwardingLevel",
+    "Level",
     "LevelTensor",
     "UnrelatedLevelsError",
     "VmapInfo",
     "compile",
     "count_flops",
-    "forwarding_level",
+    "enter_level",
     "functional_call",
     "grad",
     "grad_and_value",

@@ -171,6 +171,26 @@ def entered(cls: type[LevelTensor]) -> Iterator[type[LevelTensor]]:
         _innermost.reset(token)
 
 
+@contextmanager
+def enter_level(level: Level, name: str = "LevelTensor") -> Iterator[type[LevelTensor]]:
+    """Make a class for ``level`` (named ``name``), nested in the innermost live level, and
+    enter it for the block; yields the class ``L`` (``L(t)`` wraps, ``L.unwrap(t)``
+    unwraps). The way to start a user-defined level (docs/writing-a-transform.md).
+
+    Example::
+
+        >>> import torch
+        >>> from torchlevels import enter_level
+        >>> from torchlevels.tools import ForwardingLevel
+        >>> with enter_level(ForwardingLevel()) as L:
+        ...     y = L(torch.ones(2)) * 3
+        ...     L.unwrap(y)
+        tensor([3., 3.])
+    """
+    with entered(new_level_class(level, name)) as cls:
+        yield cls
+
+
 def innermost() -> type[LevelTensor] | None:
     """The class of the innermost live level in this context, or None."""
     return _innermost.get()

@@ -18,10 +18,10 @@ from typing import Any
 import torch
 from torch.utils.flop_counter import flop_registry
 
+from torchlevels._level import enter_level
 from torchlevels.tools.forwarding import (
     ForwardingLevel,
     call_in_level,
-    forwarding_level,
     wraps_function,
 )
 
@@ -151,7 +151,7 @@ def count_flops(func: Callable | None = None) -> Any:
 
 @contextlib.contextmanager
 def _counting_level() -> Iterator[type]:
-    with forwarding_level(FlopLevel(), "FlopCountedTensor") as FC:
+    with enter_level(FlopLevel(), "FlopCountedTensor") as FC:
         counts = FC._level.counts
         FC.counts, FC.by_op, FC.calls = counts, counts.by_op, counts.calls
         FC.uncounted, FC.table, FC.total = counts.uncounted, staticmethod(counts.table), _Total()

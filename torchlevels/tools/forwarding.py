@@ -10,15 +10,14 @@ outside ``vmap(grad(f))`` it sees the batched forward and backward ops; inside
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.utils._pytree import tree_map
 
-from torchlevels._level import Level, LevelTensor, entered, new_level_class, set_logical_meta
+from torchlevels._level import Level, LevelTensor, set_logical_meta
 from torchlevels.batching.registry import writes_first_argument
 
 _make_wrapper_subclass = torch.Tensor._make_wrapper_subclass
@@ -37,14 +36,14 @@ def _wrap(cls: type[LevelTensor], inner: torch.Tensor) -> torch.Tensor:
 class ForwardingLevel(Level):
     """A level that shows each op on its tensors to :meth:`process` and forwards it out.
 
-    Subclass it and override :meth:`process`; enter it with :func:`forwarding_level`.
+    Subclass it and override :meth:`process`; enter it with :func:`torchlevels.enter_level`.
     Autograd outside the level sees the ops on the wrapped tensors, so
     ``count_flops(f)(x).sum().backward()`` differentiates ``f`` as usual.
 
     Example::
 
         >>> import torch
-        >>> from torchlevels.tools import ForwardingLevel, forwarding_level
+        >>> from torchlevels import ForwardingLevel, enter_level
         >>> class OpNames(ForwardingLevel):
         ...     def __init__(self):
         ...         super().__init__()
@@ -52,7 +51,7 @@ class ForwardingLevel(Level):
         ...     def process(self, func, args, kwargs):
         ...         self.seen.append(str(func))
         ...         return func(*args, **kwargs)
-        >>> with forwarding_level(OpNames()) as L:
+        >>> with enter_level(OpNames()) as L:
         ...     y = L.unwrap(L(torch.ones(2)).exp() * 2)
         >>> L._level.seen
         ['aten.exp.default', 'aten.mul.Tensor']
@@ -106,16 +105,6 @@ def _wrap_all(cls, out: Any) -> Any:
     if isinstance(out, (tuple, list)):
         return type(out)(_wrap_all(cls, o) for o in out)
     return out
-
-
-@contextlib.contextmanager
-def forwarding_level(level: ForwardingLevel, name: str = "WatchedTensor"
-                     ) -> Iterator[type[LevelTensor]]:
-    """Enter ``level`` as the innermost level; yields its class ``L`` (``L(t)``,
-    ``L.unwrap(t)``). Its tensors are dead after the block."""
-    cls = new_level_class(level, name)
-    with entered(cls):
-        yield cls
 
 
 def call_in_level(cls: type[LevelTensor], func: Callable, args: tuple, kwargs: dict) -> Any:

@@ -11,10 +11,10 @@ from typing import Any, TextIO
 
 import torch
 
+from torchlevels._level import enter_level
 from torchlevels.tools.forwarding import (
     ForwardingLevel,
     call_in_level,
-    forwarding_level,
     wraps_function,
 )
 
@@ -73,10 +73,10 @@ def log_ops(func: Callable | None = None, file: TextIO | None = None) -> Any:
         aten.sin.default(f32[3]) -> f32[3]
     """
     if func is None:
-        return forwarding_level(LogLevel(file), "LoggedTensor")
+        return enter_level(LogLevel(file), "LoggedTensor")
 
     def logged(*args: Any, **kwargs: Any) -> Any:
-        with forwarding_level(LogLevel(file), "LoggedTensor") as L:
+        with enter_level(LogLevel(file), "LoggedTensor") as L:
             return call_in_level(L, func, args, kwargs)
 
     return wraps_function(func, logged)
