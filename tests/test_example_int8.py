@@ -71,3 +71,11 @@ def test_escaped_quantized_weight_is_an_error():
 def test_docstring():
     result = doctest.testmod(int8_weights)
     assert result.failed == 0 and result.attempted > 0
+
+
+def test_the_forwarding_level_example_of_the_doc_runs():
+    doc = (EXAMPLE.parent.parent / "docs" / "writing-a-transform.md").read_text()
+    block = doc.split("```python\n")[1].split("```")[0]
+    namespace: dict = {}
+    exec(compile(block, "writing-a-transform.md", "exec"), namespace)
+    assert namespace["L"]._level.seen == ["aten.exp.default", "aten.mul.Tensor"]

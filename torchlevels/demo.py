@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch.func import vmap as func_vmap
 
-from torchlevels import EscapedTensorError, functional_call, grad, hessian, vmap
+import torchlevels
+from torchlevels import EscapedTensorError, count_flops, functional_call, grad, hessian, vmap
 
 
 def _ms(fn, *args, reps: int = 30) -> float:
@@ -82,6 +83,26 @@ def main() -> None:
         warnings.simplefilter("always")
         out = vmap(lambda v: torch.ops.aten.as_strided(v, (2,), (2,)))(torch.arange(12.).view(3, 4))
     print(f"   result {out.tolist()}; warning: {caught[0].message if caught else None}")
+
+    print("8. tools are levels: where they sit decides what they see")
+    w = torch.randn(16, 8)
+    step = lambda w, x: (x @ w).tanh().sum()
+    xs = torch.randn(32, 4, 16)
+    outside = count_flops(vmap(grad(step), in_dims=(None, 0)))
+    outside(w, xs)
+    inside = count_flops(grad(step))
+    vmap(inside, in_dims=(None, 0))(w, xs)
+    print(f"   count_flops(vmap(grad(f))): {outside.total:,} FLOPs (batched, fwd + bwd); "
+          f"vmap(count_flops(grad(f))): {inside.total:,} (one example)")
+
+    print("9. compile: trace once through every level, replay the plain aten graph")
+    chain = lambda v: (v.sin() * 2 + v.cos()).tanh().exp().sum()
+    compiled = torchlevels.compile(vmap(grad(chain)))
+    v = torch.randn(8, 16)
+    same = torch.allclose(compiled(v), func_vmap(torch.func.grad(chain))(v))
+    print(f"   same as torch.func: {same}; {_ms(compiled, v):.3f} ms replayed vs "
+          f"{_ms(vmap(grad(chain)), v):.3f} ms eager vs "
+          f"{_ms(func_vmap(torch.func.grad(chain)), v):.3f} ms torch.func")
 
 
 if __name__ == "__main__":
