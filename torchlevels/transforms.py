@@ -360,9 +360,13 @@ def jacrev(func: Callable, argnums: int | tuple[int, ...] = 0, *, has_aux: bool 
 def _basis(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """One-hot rows for all ``tensors`` at once: entry i is (total numel, *tensors[i].shape)."""
     total = sum(t.numel() for t in tensors)
-    # made from the tensors, so it lives at their level: a tool level outside sees its ops
-    eye = tensors[0].new_zeros(total, total)
-    eye.diagonal().fill_(1)
+    first = tensors[0]
+    if first.layout == torch.strided:
+        # made from the tensors, so it lives at their level: a tool level outside sees its ops
+        eye = first.new_zeros(total, total)
+        eye.diagonal().fill_(1)
+    else:  # sparse outputs: a dense basis
+        eye = torch.eye(total, dtype=first.dtype, device=first.device)
     out, start = [], 0
     for t in tensors:
         out.append(eye[:, start:start + t.numel()].to(t.dtype).reshape(total, *t.shape))
