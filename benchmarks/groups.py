@@ -246,12 +246,13 @@ def inductor_group() -> list[Benchmark]:
     """(i) torchlevels.compile(backend="inductor") against torch.compile(torch.func ...)."""
     out = []
     for b in _autodiff_workloads():
-        theirs = torch.compile(b.transform(torch.func), backend="inductor")
+        theirs = torch.compile(b.transform(torch.func), backend="inductor", dynamic=False)
         try:
             theirs(*b.args)  # compiles it
         except Exception as e:  # noqa: BLE001 - a PyTorch failure: report it, time the rest
             print(f"  {b.name}: torch.compile(torch.func ...) fails on this PyTorch "
                   f"({type(e).__name__}): row left out", file=sys.stderr)
+            torch._dynamo.reset()  # forget the failed frame: no dynamic-shape recompiles later
             continue
         ours = torchlevels.compile(b.transform(torchlevels), backend="inductor")
         out.append(Benchmark(b.name, {
