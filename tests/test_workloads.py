@@ -225,19 +225,21 @@ def test_ensemble_of_mlps_with_stack_module_state():
     assert_tree_close(run(tl, minibatches, 0), run(tf, minibatches, 0))
 
 
+def ensemble_step(lib, base: nn.Module):
+    """Gradients and losses of a stacked ensemble of ``base`` models, one minibatch each."""
+    def loss(p, b, x, y):
+        return F.cross_entropy(lib.functional_call(base, (p, b), (x,)), y)
+
+    return lib.vmap(lib.grad_and_value(loss))
+
+
 def test_ensemble_training_step_grads():
     models = [make_mlp() for _ in range(4)]
     params, buffers = tf.stack_module_state(models)
     base = make_mlp().to("meta")
     xs, ys = torch.randn(4, 6, 10), torch.randint(0, 5, (4, 6))
-
-    def run(lib):
-        def loss(p, b, x, y):
-            return F.cross_entropy(lib.functional_call(base, (p, b), (x,)), y)
-
-        return lib.vmap(lib.grad_and_value(loss))(params, buffers, xs, ys)
-
-    assert_tree_close(run(tl), run(tf))
+    assert_tree_close(ensemble_step(tl, base)(params, buffers, xs, ys),
+                      ensemble_step(tf, base)(params, buffers, xs, ys))
 
 
 # -- Hessian-vector products ----------------------------------------------------------

@@ -139,6 +139,41 @@ class LevelTensor(torch.Tensor):
         return f"{type(self).__name__}(level={level.describe()}, inner={self._inner!r})"
 
 
+def wrap_inner(cls: type[LevelTensor], inner: torch.Tensor) -> LevelTensor:
+    """A tensor of level ``cls`` standing for ``inner``, with its shape, strides and offset."""
+    out = torch.Tensor._make_wrapper_subclass(
+        cls, inner.shape, strides=inner.stride(), storage_offset=inner.storage_offset(),
+        dtype=inner.dtype, device=inner.device,
+    )
+    out._inner = inner
+    return out
+
+
+def wrap_all(cls: type[LevelTensor], out: Any) -> Any:
+    """Every tensor of an op's output (alone, or in a tuple or list) wrapped at level ``cls``."""
+    if isinstance(out, torch.Tensor):
+        return wrap_inner(cls, out)
+    if isinstance(out, (tuple, list)):
+        return type(out)(wrap_all(cls, o) for o in out)
+    return out
+
+
+def unwrap_own(a: Any, cls: type[LevelTensor]) -> Any:
+    """An op argument with the tensors of level ``cls`` (alone or in a list) unwrapped."""
+    if type(a) is cls:
+        return a._inner
+    if type(a) in (list, tuple):
+        return type(a)(t._inner if type(t) is cls else t for t in a)
+    return a
+
+
+def follow_inner(tensor: LevelTensor) -> None:
+    """After an in-place op, give the wrapper its inner tensor's shape (``squeeze_``...)."""
+    inner = tensor._inner
+    if inner.shape != tensor.shape or inner.stride() != tensor.stride():
+        set_logical_meta(tensor, inner.shape, inner.stride(), inner.storage_offset())
+
+
 def set_logical_meta(tensor: LevelTensor, shape, strides, storage_offset: int = 0) -> None:
     """Change a level tensor's own sizes and strides in place (after ``squeeze_`` and such)."""
     with torch._C._DisableTorchDispatch():

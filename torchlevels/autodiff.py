@@ -33,12 +33,14 @@ from torchlevels._level import (
     LevelTensor,
     enclosing_classes,
     entered,
+    follow_inner,
     new_level_class,
-    set_logical_meta,
+    unwrap_own,
+    wrap_all,
+    wrap_inner,
 )
 from torchlevels.batching.registry import writes_first_argument
 
-_make_wrapper_subclass = torch.Tensor._make_wrapper_subclass
 _restore_tls = torch._C._RestorePythonTLSSnapshot
 _AD_INPLACE_OR_VIEW = torch._C.DispatchKey.ADInplaceOrView
 
@@ -53,11 +55,7 @@ def shallow_copy(t: Any) -> Any:
 
 
 def _wrap(cls, inner: torch.Tensor, tangent: torch.Tensor | None = None) -> torch.Tensor:
-    out = _make_wrapper_subclass(
-        cls, inner.shape, strides=inner.stride(), storage_offset=inner.storage_offset(),
-        dtype=inner.dtype, device=inner.device,
-    )
-    out._inner = inner
+    out = wrap_inner(cls, inner)
     out._tangent = tangent
     return out
 
@@ -86,21 +84,21 @@ class GradLevel(Level):
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{cls.__name__}(t): t must be a Tensor, got {type(tensor)}")
         if tensor.requires_grad and not isinstance(tensor, LevelTensor):
-            return _wrap(cls, tensor.view_as(tensor))  # keeps its history for autograd outside
+            return wrap_inner(cls, tensor.view_as(tensor))  # keeps its history for autograd outside
         leaf = shallow_copy(tensor)
         leaf.requires_grad_()
-        return _wrap(cls, leaf)
+        return wrap_inner(cls, leaf)
 
     def unwrap(self, cls, tensor: Any) -> Any:
         """The tensor one level out, still carrying this level's graph."""
         return tensor._inner if type(tensor) is cls else tensor
 
     def rewrap(self, cls, tensor: torch.Tensor) -> torch.Tensor:
-        return _wrap(cls, tensor._inner)
+        return wrap_inner(cls, tensor._inner)
 
     def dispatch(self, cls, func, args, kwargs):
-        inner_args = [_unwrap_grad(a, cls) for a in args]
-        inner_kwargs = {k: _unwrap_grad(v, cls) for k, v in kwargs.items()} if kwargs else {}
+        inner_args = [unwrap_own(a, cls) for a in args]
+        inner_kwargs = {k: unwrap_own(v, cls) for k, v in kwargs.items()} if kwargs else {}
         inplace = writes_first_argument(func)
         if inplace and type(args[0]) is not cls:
             _raise_captured_inplace(func, self.kind)
@@ -110,9 +108,11 @@ class GradLevel(Level):
                 out = _resolve_lazy_bits(out)  # recorded by autograd, so inside the block
         if inplace:
             self_ = args[0]
-            _follow_inner(self_)
+            follow_inner(self_)
             return self_
-        return _wrap_all(cls, out)
+        # every output is ours, tracked or not: a later in-place op may write a tracked
+        # value into it (``buf = zeros_like(x); buf[0] = x``), as in torch.func
+        return wrap_all(cls, out)
 
 
 def _resolve_lazy_bits(out: Any) -> Any:
@@ -122,31 +122,6 @@ def _resolve_lazy_bits(out: Any) -> Any:
         return out.resolve_conj().resolve_neg() if out.is_conj() or out.is_neg() else out
     if isinstance(out, (tuple, list)):
         return type(out)(_resolve_lazy_bits(o) for o in out)
-    return out
-
-
-def _follow_inner(self: torch.Tensor) -> None:
-    """After an in-place op, give the wrapper its inner tensor's shape (``squeeze_``...)."""
-    inner = self._inner
-    if inner.shape != self.shape or inner.stride() != self.stride():
-        set_logical_meta(self, inner.shape, inner.stride(), inner.storage_offset())
-
-
-def _unwrap_grad(a: Any, cls) -> Any:
-    if type(a) is cls:
-        return a._inner
-    if type(a) in (list, tuple):
-        return type(a)(t._inner if type(t) is cls else t for t in a)
-    return a
-
-
-def _wrap_all(cls, out: Any) -> Any:
-    """Every tensor output is this level's, tracked or not: a later in-place op may write a
-    tracked value into it (``buf = zeros_like(x); buf[0] = x``), as in torch.func."""
-    if isinstance(out, torch.Tensor):
-        return _wrap(cls, out)
-    if isinstance(out, (tuple, list)):
-        return type(out)(_wrap_all(cls, o) for o in out)
     return out
 
 
@@ -180,7 +155,7 @@ class JvpLevel(Level):
             if inplace:
                 self_ = args[0]
                 self_._inner, self_._tangent = fwAD.unpack_dual(dual_args[0], level=level)
-                _follow_inner(self_)
+                follow_inner(self_)
                 return self_
             return _from_dual(cls, out, level)
 
@@ -198,7 +173,7 @@ def _to_dual(a: Any, cls, level: int) -> Any:
 def _from_dual(cls, out: Any, level: int) -> Any:
     if isinstance(out, torch.Tensor):
         primal, tangent = fwAD.unpack_dual(out, level=level)
-        return _wrap(cls, primal, tangent)  # every output is ours (see _wrap_all)
+        return _wrap(cls, primal, tangent)  # every output is ours (as in GradLevel)
     if isinstance(out, (tuple, list)):
         return type(out)(_from_dual(cls, o, level) for o in out)
     return out

@@ -17,20 +17,17 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map
 
-from torchlevels._level import Level, LevelTensor, set_logical_meta
+from torchlevels._level import (
+    Level,
+    LevelTensor,
+    follow_inner,
+    unwrap_own,
+    wrap_all,
+    wrap_inner,
+)
 from torchlevels.batching.registry import writes_first_argument
 
-_make_wrapper_subclass = torch.Tensor._make_wrapper_subclass
 _restore_tls = torch._C._RestorePythonTLSSnapshot
-
-
-def _wrap(cls: type[LevelTensor], inner: torch.Tensor) -> torch.Tensor:
-    out = _make_wrapper_subclass(
-        cls, inner.shape, strides=inner.stride(), storage_offset=inner.storage_offset(),
-        dtype=inner.dtype, device=inner.device,
-    )
-    out._inner = inner
-    return out
 
 
 class ForwardingLevel(Level):
@@ -63,48 +60,30 @@ class ForwardingLevel(Level):
         """``L(t)``: ``t`` as a tensor of this level (same value, watched from now on)."""
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{cls.__name__}(t): t must be a Tensor, got {type(tensor).__name__}")
-        return _wrap(cls, tensor)
+        return wrap_inner(cls, tensor)
 
     def unwrap(self, cls: type[LevelTensor], tensor: Any) -> Any:
         """The tensor one level out (anything else as is)."""
         return tensor._inner if type(tensor) is cls else tensor
 
     def rewrap(self, cls: type[LevelTensor], tensor: torch.Tensor) -> torch.Tensor:
-        return _wrap(cls, tensor._inner)
+        return wrap_inner(cls, tensor._inner)
 
     def process(self, func, args: tuple, kwargs: dict) -> Any:
         """Run ``func`` one level out; ``args`` and ``kwargs`` hold no tensor of this level."""
         return func(*args, **kwargs)
 
     def dispatch(self, cls, func, args, kwargs):
-        inner_args = [_unwrap(a, cls) for a in args]
-        inner_kwargs = {k: _unwrap(v, cls) for k, v in kwargs.items()} if kwargs else {}
+        inner_args = [unwrap_own(a, cls) for a in args]
+        inner_kwargs = {k: unwrap_own(v, cls) for k, v in kwargs.items()} if kwargs else {}
         with _restore_tls():  # autograd outside records on the inner tensors, as grad does
             out = self.process(func, tuple(inner_args), inner_kwargs)
         if writes_first_argument(func):
             self_ = args[0]
             if type(self_) is cls:
-                inner = self_._inner
-                if inner.shape != self_.shape or inner.stride() != self_.stride():
-                    set_logical_meta(self_, inner.shape, inner.stride(), inner.storage_offset())
+                follow_inner(self_)
             return self_
-        return _wrap_all(cls, out)
-
-
-def _unwrap(a: Any, cls) -> Any:
-    if type(a) is cls:
-        return a._inner
-    if type(a) in (list, tuple):
-        return type(a)(t._inner if type(t) is cls else t for t in a)
-    return a
-
-
-def _wrap_all(cls, out: Any) -> Any:
-    if isinstance(out, torch.Tensor):
-        return _wrap(cls, out)
-    if isinstance(out, (tuple, list)):
-        return type(out)(_wrap_all(cls, o) for o in out)
-    return out
+        return wrap_all(cls, out)
 
 
 def call_in_level(cls: type[LevelTensor], func: Callable, args: tuple, kwargs: dict) -> Any:
