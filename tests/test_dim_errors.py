@@ -1,0 +1,211 @@
+"""torchlevels.dim reports bad input with clear errors that name the offending dim or sizes.
+
+Dims get distinctive variable names here so that "the message names the dim" cannot be
+satisfied by an accidental one-letter match.
+"""
+
+import re
+
+import pytest
+import torch
+
+
+@pytest.fixture
+def dimlib():
+    import torchlevels.dim
+
+    return torchlevels.dim
+
+
+def _has_number(message, n):
+    return re.search(rf"(?<!\d){n}(?!\d)", message) is not None
+
+
+def test_dimension_bind_error_is_a_value_error(dimlib):
+    assert issubclass(dimlib.DimensionBindError, ValueError)
+
+
+# --------------------------------------------------------------------------------------
+# Too many indices
+# --------------------------------------------------------------------------------------
+
+
+def test_more_indices_than_positional_dims(dimlib):
+    rows, cols, depth = dimlib.dims(3)
+    A = torch.rand(3, 4)
+    with pytest.raises(
+        ValueError, match="at least 3 indices were supplied but the tensor only has 2 dimensions"
+    ):
+        A[rows, cols, depth]
+
+
+def test_indexing_a_tensor_with_only_first_class_dims(dimlib):
+    # README: positional indexing applies only to positional dims.
+    batch, channel = dimlib.dims(2)
+    input_fc = torch.rand(2, 3)[batch, channel]
+    with pytest.raises(
+        ValueError, match="at least 1 indices were supplied but the tensor only has 0 dimensions"
+    ):
+        input_fc[0]
+
+
+# --------------------------------------------------------------------------------------
+# Unbound dims
+# --------------------------------------------------------------------------------------
+
+
+def test_size_of_unbound_dim(dimlib):
+    unsized_rows = dimlib.dims(1)
+    with pytest.raises(dimlib.DimensionBindError) as info:
+        _ = unsized_rows.size
+    message = str(info.value)
+    assert "unsized_rows" in message and "unbound" in message
+
+
+def test_order_of_unbound_dim(dimlib):
+    # Rule 3: a dim is a tensor over itself, so ordering it needs its size.
+    unsized_cols = dimlib.dims(1)
+    with pytest.raises(dimlib.DimensionBindError) as info:
+        unsized_cols.order(unsized_cols)
+    message = str(info.value)
+    assert "unsized_cols" in message and "unbound" in message
+
+
+def test_unbound_dim_is_not_bound(dimlib):
+    unsized = dimlib.dims(1)
+    assert not unsized.is_bound
+    unsized.size = 2
+    assert unsized.is_bound and unsized.size == 2
+
+
+# --------------------------------------------------------------------------------------
+# Size conflicts
+# --------------------------------------------------------------------------------------
+
+
+def test_setting_a_different_size(dimlib):
+    width = dimlib.dims(1)
+    width.size = 7
+    width.size = 7  # same size again is fine
+    with pytest.raises(
+        dimlib.DimensionBindError,
+        match="Dim 'width' previously bound to a dimension of size 7 cannot bind to a "
+        "dimension of size 11",
+    ):
+        width.size = 11
+    assert width.size == 7
+
+
+def test_binding_to_tensors_of_different_sizes(dimlib):
+    height = dimlib.dims(1)
+    torch.rand(7)[height]
+    assert height.size == 7
+    with pytest.raises(dimlib.DimensionBindError) as info:
+        torch.rand(11)[height]
+    message = str(info.value)
+    assert "height" in message
+    assert _has_number(message, 7) and _has_number(message, 11), message
+    assert height.size == 7
+
+
+def test_binding_mismatch_inside_one_indexing(dimlib):
+    channel = dimlib.dims(1)
+    with pytest.raises(dimlib.DimensionBindError) as info:
+        torch.rand(7, 11)[channel, channel]
+    message = str(info.value)
+    assert "channel" in message
+    assert _has_number(message, 7) and _has_number(message, 11), message
+
+
+# --------------------------------------------------------------------------------------
+# Splitting a dim with a tuple of dims
+# --------------------------------------------------------------------------------------
+
+
+def test_dim_repeated_in_split_tuple(dimlib):
+    repeated = dimlib.dims(1)
+    with pytest.raises(dimlib.DimensionBindError) as info:
+        torch.rand(6)[(repeated, repeated),]
+    assert "repeated" in str(info.value)
+
+
+def test_two_unsized_dims_in_split_tuple(dimlib):
+    outer_part, inner_part = dimlib.dims(2)
+    with pytest.raises(dimlib.DimensionBindError) as info:
+        torch.rand(6)[(outer_part, inner_part),]
+    message = str(info.value)
+    assert "outer_part" in message and "inner_part" in message
+
+
+def test_split_sizes_do_not_multiply_to_dim_size(dimlib):
+    outer_part, inner_part = dimlib.dims(2)
+    outer_part.size = 4
+    inner_part.size = 3
+    with pytest.raises(dimlib.DimensionBindError) as info:
+        torch.rand(10)[(outer_part, inner_part),]
+    message = str(info.value)
+    assert _has_number(message, 10), message
+    assert _has_number(message, 12) or (_has_number(message, 4) and _has_number(message, 3)), (
+        message
+    )
+
+
+def test_inferred_split_size_does_not_divide(dimlib):
+    outer_part, inner_part = dimlib.dims(2)
+    inner_part.size = 4
+    with pytest.raises(dimlib.DimensionBindError) as info:
+        torch.rand(10)[(outer_part, inner_part),]
+    message = str(info.value)
+    assert _has_number(message, 10) and _has_number(message, 4), message
+
+
+# --------------------------------------------------------------------------------------
+# order
+# --------------------------------------------------------------------------------------
+
+
+def test_order_with_a_dim_the_tensor_does_not_have(dimlib):
+    present, absent = dimlib.dims(2)
+    x = torch.rand(3, 4)[present]
+    with pytest.raises(ValueError) as info:
+        x.order(absent)
+    assert "absent" in str(info.value)
+
+
+def test_order_with_a_bound_dim_the_tensor_does_not_have(dimlib):
+    present, elsewhere = dimlib.dims(2)
+    torch.rand(5)[elsewhere]
+    x = torch.rand(3)[present]
+    with pytest.raises(ValueError) as info:
+        x.order(present, elsewhere)
+    assert "elsewhere" in str(info.value)
+
+
+# --------------------------------------------------------------------------------------
+# dims() and its debug names
+# --------------------------------------------------------------------------------------
+
+
+def test_dims_not_assigned_is_a_syntax_error(dimlib, capsys):
+    with pytest.raises(SyntaxError):
+        print(dimlib.dims())
+    with pytest.raises(SyntaxError):
+        len(dimlib.dims())
+    assert capsys.readouterr().out == ""
+
+
+def test_dims_with_a_count_need_not_be_assigned(dimlib):
+    assert len(tuple(dimlib.dims(3))) == 3
+
+
+def test_dims_take_names_from_assigned_variables(dimlib):
+    alpha, beta = dimlib.dims(2)
+    assert repr(alpha) == "alpha"
+    assert repr(beta) == "beta"
+    gamma = dimlib.dims(1)
+    assert repr(gamma) == "gamma"
+    delta, epsilon = dimlib.dims()
+    assert (repr(delta), repr(epsilon)) == ("delta", "epsilon")
+    zeta, eta = dimlib.dims(sizes=[2, None])
+    assert (repr(zeta), repr(eta)) == ("zeta", "eta")
+    assert zeta.size == 2 and not eta.is_bound

@@ -1,0 +1,241 @@
+"""Dimension objects: ``Dim`` (one first-class dimension) and ``DimList`` (any number)."""
+
+from __future__ import annotations
+
+import dis
+import inspect
+from collections.abc import Sequence
+
+import torch
+
+from torchlevels.dim._base import _Tensor
+
+
+class DimensionBindError(ValueError):
+    """A dim's size is unknown where it is needed, or conflicts with a size it is bound to."""
+
+
+class Dim(_Tensor):
+    """A first-class dimension. Its size is bound on first use (or set once); as a tensor it
+    is the tensor of its own indices (``0 .. size - 1``) along itself.
+
+    Example::
+
+        >>> import torch
+        >>> from torchlevels.dim import dims
+        >>> i, j = dims(2)
+        >>> A = torch.arange(6.).reshape(2, 3)
+        >>> A[i, j].order(j, i).shape, i.size, j.size
+        (torch.Size([3, 2]), 2, 3)
+    """
+
+    __slots__ = ("_name", "_size", "_ranges")
+
+    def __init__(self, name: str, size: int | None = None) -> None:
+        self._name = name
+        self._size = -1
+        self._ranges: dict[torch.device, torch.Tensor] = {}
+        if size is not None:
+            self.size = size
+
+    @property
+    def size(self) -> int:
+        if self._size < 0:
+            raise DimensionBindError(
+                f"dimension {self._name} is unbound: bind it by indexing a tensor with it "
+                f"(x[{self._name}]) or set {self._name}.size"
+            )
+        return self._size
+
+    @size.setter
+    def size(self, size: int) -> None:
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise DimensionBindError(
+                f"Dim '{self._name}' size must be a non-negative int, got {size!r}"
+            )
+        if self._size == -1:
+            self._size = size
+        elif self._size != size:
+            raise DimensionBindError(
+                f"Dim '{self._name}' previously bound to a dimension of size {self._size} "
+                f"cannot bind to a dimension of size {size}"
+            )
+
+    @property
+    def is_bound(self) -> bool:
+        return self._size >= 0
+
+    # -- as a tensor (Rule 3) ---------------------------------------------------------
+    @property
+    def _dims(self) -> tuple[Dim, ...]:
+        return (self,)
+
+    @property
+    def _tensor(self) -> torch.Tensor:
+        return self.range(torch.device("cpu"))
+
+    def range(self, device: torch.device) -> torch.Tensor:
+        """``arange(size)`` on ``device``, made once per device."""
+        r = self._ranges.get(device)
+        if r is None or r.shape[0] != self.size:
+            r = self._ranges[device] = torch.arange(self.size, device=device)
+        return r
+
+    @property
+    def ndim(self) -> int:
+        return 0
+
+    def __repr__(self) -> str:
+        return self._name
+
+    __hash__ = object.__hash__
+
+
+class DimList:
+    """A list of dims whose length may be bound later, by the first tensor it indexes.
+
+    Example::
+
+        >>> import torch
+        >>> from torchlevels.dim import dimlists, dims
+        >>> batch = dimlists()
+        >>> k = dims(1)
+        >>> x = torch.rand(2, 3, 4)
+        >>> y = x[batch, k].sum(k)
+        >>> len(batch), y.order(*batch).shape
+        (2, torch.Size([2, 3]))
+    """
+
+    def __init__(self, name: str, dims: Sequence[Dim] | None = None) -> None:
+        self._name = name
+        self._dims: list[Dim] | None = None if dims is None else list(dims)
+
+    @property
+    def is_bound(self) -> bool:
+        return self._dims is not None
+
+    def bind_len(self, n: int) -> None:
+        """Give the list ``n`` fresh dims (or check it has ``n`` if already bound)."""
+        if self._dims is None:
+            self._dims = [Dim(f"{self._name}{k}") for k in range(n)]
+        elif len(self._dims) != n:
+            raise DimensionBindError(
+                f"DimList '{self._name}' has {len(self._dims)} dims, cannot bind it to {n}"
+            )
+
+    def bind(self, sizes: Sequence[int]) -> None:
+        """Bind the list's length and each of its dims' sizes."""
+        self.bind_len(len(sizes))
+        for d, s in zip(self._dims, sizes):
+            d.size = s
+
+    def _bound(self) -> list[Dim]:
+        if self._dims is None:
+            raise DimensionBindError(
+                f"DimList '{self._name}' is unbound: bind it by indexing a tensor with it "
+                f"or call {self._name}.bind_len(n)"
+            )
+        return self._dims
+
+    def __len__(self) -> int:
+        return len(self._bound())
+
+    def __getitem__(self, key: int | slice) -> Dim | tuple[Dim, ...]:
+        r = self._bound()[key]
+        return tuple(r) if isinstance(key, slice) else r
+
+    def __iter__(self):
+        return iter(self._bound())
+
+    def __repr__(self) -> str:
+        return f"*{self._name}" if self._dims is None else repr(tuple(self._dims))
+
+
+def _assigned_names(frame) -> list[str]:
+    """The variable names the caller's current call is assigned to (for debug names)."""
+    code, lasti = frame.f_code, frame.f_lasti
+    instructions = list(dis.get_instructions(code))
+    # the running CALL: the last instruction at or before f_lasti (which may be in its cache)
+    at = max((k for k, ins in enumerate(instructions) if ins.offset <= lasti), default=None)
+    if at is None:
+        return []
+    following = instructions[at + 1:]
+    if not following:
+        return []
+    first = following[0]
+    if first.opname.startswith("STORE_") and first.opname != "STORE_FAST_STORE_FAST":
+        return [str(first.argval)]
+    if first.opname != "UNPACK_SEQUENCE":
+        return []
+    names: list[str] = []
+    for ins in following[1:]:
+        if len(names) >= first.argval:
+            break
+        if ins.opname == "STORE_FAST_STORE_FAST":
+            names.extend(ins.argval)
+        elif ins.opname.startswith("STORE_"):
+            names.append(str(ins.argval))
+        else:
+            break
+    return names if len(names) == first.argval else []
+
+
+def _make(kind: str, n: int | None, sizes: Sequence | None, factory) -> object:
+    frame = inspect.currentframe().f_back.f_back
+    try:
+        names = _assigned_names(frame)
+    finally:
+        del frame
+    if sizes is not None and n is not None and len(sizes) != n:
+        raise ValueError(f"{kind}(n={n}, sizes={list(sizes)}): n and len(sizes) differ")
+    count = n if n is not None else (len(sizes) if sizes is not None else len(names))
+    if count == 0:
+        raise SyntaxError(
+            f"{kind}() must be assigned to a sequence of variable names or have argument n "
+            "specified"
+        )
+    if len(names) != count:
+        names = [f"d{k}" for k in range(count)]
+    made = [factory(name, None if sizes is None else sizes[k]) for k, name in enumerate(names)]
+    return made[0] if count == 1 else tuple(made)
+
+
+def dims(n: int | None = None, sizes: Sequence[int | None] | None = None) -> Dim | tuple[Dim, ...]:
+    """Make ``n`` new first-class dims (one ``Dim``, or a tuple when ``n > 1``), named after
+    the variables they are assigned to. ``sizes`` sets sizes up front (None leaves one
+    unbound); with neither argument, as many dims as there are names on the left.
+
+    Example::
+
+        >>> from torchlevels.dim import dims
+        >>> batch, channel = dims(sizes=[None, 3])
+        >>> batch, channel.size
+        (batch, 3)
+    """
+    return _make("dims", n, sizes, Dim)
+
+
+def dimlists(
+    n: int | None = None, sizes: Sequence[int | Sequence[int] | None] | None = None
+) -> DimList | tuple[DimList, ...]:
+    """Make ``n`` new dim lists (see :class:`DimList`); ``sizes`` gives each list's length
+    (an int) or its dims' sizes (a list), or None to bind it on first use.
+
+    Example::
+
+        >>> import torch
+        >>> from torchlevels.dim import dimlists
+        >>> b = dimlists()
+        >>> torch.rand(2, 3)[b].dims
+        (b0, b1)
+    """
+
+    def factory(name: str, size) -> DimList:
+        dl = DimList(name)
+        if isinstance(size, int):
+            dl.bind_len(size)
+        elif size is not None:
+            dl.bind(size)
+        return dl
+
+    return _make("dimlists", n, sizes, factory)

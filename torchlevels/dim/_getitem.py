@@ -1,0 +1,264 @@
+"""Binding dims by indexing: ``A[i, :, (j, k)]``, ``emb[words[seq], feat]``, ``a[i + 1]``.
+
+Dims, slices, ints and ``None`` only need views (a dim used twice takes a diagonal).
+Indices that are tensors (with dims or not) run one advanced-indexing gather, with every
+dim of every index broadcast by Rule 1 and ints placed as torch places them.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from torchlevels.dim._base import _Tensor
+from torchlevels.dim._dims import Dim, DimensionBindError, DimList
+from torchlevels.dim._ops import Tensor, align, find, storage, union, wrap
+
+_SPLIT = "split"
+
+
+def getitem(x: Any, index: Any) -> Any:
+    """``x[index]`` where ``x`` or ``index`` holds first-class dims."""
+    t, own = (storage(x, None), x._dims) if isinstance(x, _Tensor) else (x, ())
+    items = _expand(list(index) if isinstance(index, tuple) else [index], t.ndim - len(own))
+    t, items = _split(t, len(own), items)
+    if any(_is_advanced(i) for i in items):
+        return _gather(t, own, items)
+    return _view(t, own, items)
+
+
+def setitem(x: Any, index: Any, value: Any) -> None:
+    """``x[index] = value``: writes through the view that ``x[index]`` would be."""
+    t, own = (storage(x, None), x._dims) if isinstance(x, _Tensor) else (x, ())
+    items = _expand(list(index) if isinstance(index, tuple) else [index], t.ndim - len(own))
+    t, items = _split(t, len(own), items)
+    if any(_is_advanced(i) for i in items):
+        raise NotImplementedError(
+            "assigning through tensor indices together with first-class dims is not "
+            "supported; compute the new values with torch.where instead"
+        )
+    view = _view(t, own, items)
+    if not isinstance(view, Tensor):
+        view[...] = value
+        return
+    if isinstance(value, _Tensor):
+        dims, _, _ = union([value])
+        missing = [d for d in dims if find(view._dims, d) < 0]
+        if missing:
+            raise ValueError(
+                f"cannot assign a value with dims {value._dims} to a tensor indexed with dims "
+                f"{view._dims}: {tuple(missing)} are not among them"
+            )
+        value = align(value, view._dims, view.ndim, view._tensor.device)
+    view._tensor[...] = value
+
+
+# -- parsing ----------------------------------------------------------------------------
+def _is_split(item: Any) -> bool:
+    return isinstance(item, tuple) or (
+        isinstance(item, list) and any(isinstance(e, (Dim, DimList)) for e in item)
+    )
+
+
+def _is_advanced(item: Any) -> bool:
+    return isinstance(item, (torch.Tensor, list)) or (
+        isinstance(item, _Tensor) and type(item) is not Dim
+    )
+
+
+def _expand(items: list, ndim: int) -> list:
+    """One entry per positional dim (or ``None``): Ellipsis and dim lists expanded, splits
+    marked, trailing dims filled with ``:``."""
+    fill = [i for i in items if i is Ellipsis or (isinstance(i, DimList) and not i.is_bound)]
+    if len(fill) > 1:
+        raise DimensionBindError(
+            f"an index can hold one '...' or one unbound dim list, got {fill}"
+        )
+    used = 0
+    for i in items:
+        if i is None or i is Ellipsis or (isinstance(i, DimList) and not i.is_bound):
+            continue
+        if isinstance(i, DimList):
+            used += len(i)
+        elif isinstance(i, torch.Tensor) and i.dtype == torch.bool:
+            used += i.ndim
+        else:
+            used += 1
+    if used > ndim:
+        raise ValueError(
+            f"at least {used} indices were supplied but the tensor only has {ndim} dimensions"
+        )
+    out: list = []
+    for i in items:
+        if i is Ellipsis:
+            out.extend([slice(None)] * (ndim - used))
+        elif isinstance(i, DimList):
+            if not i.is_bound:
+                i.bind_len(ndim - used)
+            out.extend(i)
+        elif _is_split(i):
+            out.append((_SPLIT, [d for e in i for d in (e if isinstance(e, DimList) else [e])]))
+        elif isinstance(i, torch.Tensor) and i.dtype == torch.bool:
+            raise NotImplementedError(
+                "boolean mask indices cannot be combined with first-class dims; use "
+                "torch.where(mask, x, 0) instead"
+            )
+        else:
+            out.append(i)
+    if not fill:
+        out.extend([slice(None)] * (ndim - used))
+    return out
+
+
+def _split(t: torch.Tensor, nb: int, items: list) -> tuple[torch.Tensor, list]:
+    """Unflatten the dims that tuples of dims split; sizes are bound or inferred."""
+    axes = []
+    axis = nb
+    for i in items:
+        axes.append(axis)
+        axis += i is not None
+    out: list = []
+    for i, axis in reversed(list(zip(items, axes))):
+        if not (isinstance(i, tuple) and i[0] is _SPLIT):
+            out.append(i)
+            continue
+        group = i[1]
+        for d in group:
+            if not isinstance(d, Dim):
+                raise TypeError(f"a split index holds only dims, got {type(d).__name__}")
+        for k, d in enumerate(group):
+            if find(tuple(group[:k]), d) >= 0:
+                raise DimensionBindError(f"dim {d} appears twice in the split {tuple(group)}")
+        total = t.shape[axis]
+        unbound = [d for d in group if not d.is_bound]
+        known = math.prod(d.size for d in group if d.is_bound)
+        if len(unbound) > 1:
+            raise DimensionBindError(
+                f"cannot infer the sizes of {tuple(unbound)} when splitting a dim of size "
+                f"{total}: at most one dim of a split may be unbound; set the others' .size"
+            )
+        if unbound:
+            if known == 0 or total % known:
+                raise DimensionBindError(
+                    f"a dim of size {total} cannot be split into {tuple(group)}: the bound "
+                    f"sizes multiply to {known}, which does not divide {total}"
+                )
+            unbound[0].size = total // known
+        elif known != total:
+            raise DimensionBindError(
+                f"dims {tuple(group)} of sizes {tuple(d.size for d in group)} (product "
+                f"{known}) cannot split a dim of size {total}"
+            )
+        t = t.unflatten(axis, [d.size for d in group])
+        out.extend(reversed(group))
+    out.reverse()
+    return t, out
+
+
+# -- views --------------------------------------------------------------------------------
+def _view(t: torch.Tensor, own: tuple, items: list) -> Any:
+    basic = [slice(None) if isinstance(i, Dim) else i for i in items]
+    if any(not (isinstance(i, slice) and i == slice(None)) for i in basic):
+        t = t[(*[slice(None)] * len(own), *basic)]
+    labels: list = list(own)
+    for i in items:
+        if isinstance(i, Dim):
+            labels.append(i)
+        elif not isinstance(i, int):
+            labels.append(None)  # a positional dim: ':' or a slice or None
+    for k, d in enumerate(labels):
+        if d is not None:
+            d.size = t.shape[k]  # binds, or names both sizes if they conflict
+    return _finish(t, labels)
+
+
+def _finish(t: torch.Tensor, labels: list) -> Any:
+    """Take diagonals where a dim labels two axes, then put the dims first."""
+    while True:
+        dup = next(
+            ((p, q) for q, d in enumerate(labels) if d is not None
+             for p in range(q) if labels[p] is d),
+            None,
+        )
+        if dup is None:
+            break
+        p, q = dup
+        d = labels[p]
+        t = t.diagonal(0, p, q)
+        labels = [e for k, e in enumerate(labels) if k not in dup] + [d]
+    dim_axes = [k for k, d in enumerate(labels) if d is not None]
+    positional = [k for k, d in enumerate(labels) if d is None]
+    perm = dim_axes + positional
+    if perm != list(range(len(labels))):
+        t = t.permute(perm)
+    return wrap(t, tuple(labels[k] for k in dim_axes))
+
+
+# -- gathers ------------------------------------------------------------------------------
+def _gather(t: torch.Tensor, own: tuple, items: list) -> Any:
+    """Advanced indexing: every tensor index (and every dim that also appears in one, or
+    twice) gathers; the other dims and slices stay views."""
+    index_dims, _, _ = union([i for i in items if _is_advanced(i)])
+    repeated = {id(i) for k, i in enumerate(items) if isinstance(i, Dim)
+                and (find(tuple(items[:k]), i) >= 0 or find(tuple(items[k + 1:]), i) >= 0)}
+
+    def gathers(i: Any) -> bool:
+        return _is_advanced(i) or isinstance(i, int) or (
+            isinstance(i, Dim)
+            and (id(i) in repeated or find(index_dims, i) >= 0 or find(own, i) >= 0)
+        )
+
+    # basic indexing first: slices and None; gathered entries keep their axis
+    basic = [slice(None) if gathers(i) or isinstance(i, Dim) else i for i in items]
+    t = t[(*[slice(None)] * len(own), *basic)]
+    labels: list = []  # per axis of t: a Dim, None (positional) or ("gather", index)
+    for d in own:
+        labels.append(("gather", d) if find(index_dims, d) >= 0 else d)
+    advanced_at = []  # positions (among positional entries) of gathered items
+    for position, i in enumerate(items):
+        if gathers(i):
+            labels.append(("gather", i))
+            advanced_at.append(position)
+        elif isinstance(i, Dim):
+            labels.append(i)
+        else:
+            labels.append(None)
+    for k, d in enumerate(labels):
+        if isinstance(d, Dim):
+            d.size = t.shape[k]
+    gathered = [k for k, e in enumerate(labels) if isinstance(e, tuple)]
+    for k in gathered:  # dims used as indices of their own axis bind to it
+        i = labels[k][1]
+        if type(i) is Dim:
+            i.size = t.shape[k]
+    indices = [_as_index(labels[k][1], t.device) for k in gathered]
+    dims, ndim, _ = union(indices)
+    indices = [align(i, dims, ndim, t.device) if isinstance(i, _Tensor) else i for i in indices]
+    rest = [k for k in range(len(labels)) if k not in gathered]
+    t = t.permute(*gathered, *rest)[tuple(indices)]
+    # t is now: the index dims, the index positional dims, then the rest's axes
+    rest_labels = [labels[k] for k in rest]
+    n_index = len(dims)
+    contiguous = advanced_at == list(range(advanced_at[0], advanced_at[0] + len(advanced_at)))
+    insert_at = advanced_at[0] if contiguous and advanced_at else 0
+    # positional order: rest's positional axes, with the index's positional block placed
+    # where torch places it (at the first tensor index if they are adjacent, else first)
+    rest_positional = [n_index + ndim + k for k, e in enumerate(rest_labels) if e is None]
+    before = sum(1 for p in range(insert_at) if p not in advanced_at)
+    block = list(range(n_index, n_index + ndim))
+    positional = rest_positional[:before] + block + rest_positional[before:]
+    rest_dims = [n_index + ndim + k for k, e in enumerate(rest_labels) if e is not None]
+    perm = list(range(n_index)) + rest_dims + positional
+    t = t.permute(perm)
+    return _finish(t, list(dims) + [rest_labels[k - n_index - ndim] for k in rest_dims]
+                   + [None] * len(positional))
+
+
+def _as_index(i: Any, device: torch.device) -> Any:
+    if isinstance(i, int):
+        return torch.tensor(i, device=device)
+    if isinstance(i, list):
+        return torch.tensor(i, device=device)
+    return i

@@ -1,0 +1,315 @@
+"""Running torch functions on tensors with first-class dims.
+
+Rule 1 (implicit batching over the union of the inputs' dims) has two ways to run:
+pointwise ops align every input to one layout (the union's dims first, then the
+broadcast positional dims) with views and call the op once; every other op runs inside
+one of this project's vmap levels per dim, so its batching rules do the work. Rule 2
+(dims as ``dim`` arguments) is in ``_reduce``, indexing in ``_getitem``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from torchlevels.dim._base import _Tensor
+from torchlevels.dim._dims import Dim, DimList
+from torchlevels.vmap import batch_level, wrap_batched
+
+
+class Tensor(_Tensor):
+    """A tensor with first-class dims: ``_tensor`` holds them as its leading dims.
+
+    Made by indexing a tensor with dims, and by any op on such tensors.
+
+    Example::
+
+        >>> import torch
+        >>> from torchlevels.dim import dims
+        >>> batch, channel = dims(2)
+        >>> x = torch.rand(8, 3)[batch, channel] + torch.rand(3)[channel]
+        >>> x.dims, x.ndim
+        ((batch, channel), 0)
+    """
+
+    __slots__ = ("_tensor", "_dims")
+
+    def __init__(self, tensor: torch.Tensor, dims: tuple[Dim, ...]) -> None:
+        self._tensor = tensor
+        self._dims = dims
+
+
+def wrap(tensor: torch.Tensor, dims: tuple[Dim, ...]) -> Tensor | torch.Tensor:
+    """``tensor`` with leading ``dims``; a plain tensor when there are none."""
+    return Tensor(tensor, dims) if dims else tensor
+
+
+# -- dims compare by identity: ``==`` on dims is an op (Rule 3) ------------------------
+def find(dims: tuple, d: Any) -> int:
+    for k, x in enumerate(dims):
+        if x is d:
+            return k
+    return -1
+
+
+def same(a: tuple, b: tuple) -> bool:
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
+
+
+def union(objs) -> tuple[tuple[Dim, ...], int, torch.device | None]:
+    """The dims of ``objs`` in order of first appearance, their largest positional ndim,
+    and the device of the first tensor with one (dims themselves live anywhere)."""
+    dims: list[Dim] = []
+    ndim = 0
+    device = None
+    for x in objs:
+        if isinstance(x, _Tensor):
+            for d in x._dims:
+                if find(dims, d) < 0:
+                    dims.append(d)
+            if type(x) is not Dim:
+                ndim = max(ndim, x.ndim)
+                device = device or x._tensor.device
+        elif isinstance(x, torch.Tensor):
+            ndim = max(ndim, x.ndim)
+            device = device or x.device
+    return tuple(dims), ndim, device
+
+
+def storage(x: _Tensor, device: torch.device | None) -> torch.Tensor:
+    """The tensor behind ``x`` (a dim's index range is made on ``device``)."""
+    if type(x) is Dim:
+        return x.range(device or torch.device("cpu"))
+    return x._tensor
+
+
+def align(x: _Tensor, dims: tuple, ndim: int, device: torch.device | None) -> torch.Tensor:
+    """A view of ``x`` laid out as ``dims`` then ``ndim`` positional dims, with size 1
+    where ``x`` lacks one; ``x``'s dims must all be in ``dims``."""
+    t = storage(x, device)
+    own = x._dims
+    pad = ndim - (t.ndim - len(own))
+    if pad == 0 and same(own, dims):
+        return t
+    where = [find(dims, d) for d in own]
+    perm = sorted(range(len(own)), key=where.__getitem__)
+    if perm != list(range(len(own))):
+        t = t.permute(*perm, *range(len(own), t.ndim))
+    present = sorted(where)
+    index = [slice(None) if k in present else None for k in range(len(dims))]
+    return t[(*index, *[None] * pad)]
+
+
+# -- the entry point ------------------------------------------------------------------
+def torch_function(func, args: tuple, kwargs: dict) -> Any:
+    special = _special().get(func)
+    if special is not None:
+        return special(*args, **kwargs)
+    from torchlevels.dim import _reduce
+
+    rule = _reduce.rule_for(func)
+    if rule is not None:
+        out = rule(func, args, kwargs)
+        if out is not NotImplemented:
+            return out
+    if is_pointwise(func):
+        return pointwise(func, args, kwargs)
+    return batched(func, args, kwargs)
+
+
+@functools.cache
+def _special() -> dict:
+    from torchlevels.dim import _functions, _getitem, _reduce
+
+    return {
+        torch.Tensor.__getitem__: _getitem.getitem,
+        torch.Tensor.__setitem__: _getitem.setitem,
+        torch.Tensor.__mul__: _reduce.multiply,
+        torch.Tensor.mul: _reduce.multiply,
+        torch.mul: _reduce.multiply,
+        torch.stack: _functions.stack_positional,
+    }
+
+
+_DUNDER_OPS = {
+    "add": "add", "radd": "add", "iadd": "add_", "sub": "sub", "rsub": "rsub",
+    "isub": "sub_", "mul": "mul", "rmul": "mul", "imul": "mul_", "truediv": "div",
+    "rtruediv": "div", "itruediv": "div_", "floordiv": "floor_divide",
+    "rfloordiv": "floor_divide", "ifloordiv": "floor_divide_", "mod": "remainder",
+    "rmod": "remainder", "imod": "remainder_", "pow": "pow", "rpow": "pow", "ipow": "pow_",
+    "and": "bitwise_and", "rand": "bitwise_and", "iand": "bitwise_and_", "or": "bitwise_or",
+    "ror": "bitwise_or", "ior": "bitwise_or_", "xor": "bitwise_xor", "rxor": "bitwise_xor",
+    "ixor": "bitwise_xor_", "lshift": "bitwise_left_shift", "rshift": "bitwise_right_shift",
+    "rlshift": "bitwise_left_shift", "rrshift": "bitwise_right_shift", "eq": "eq",
+    "ne": "ne", "lt": "lt", "le": "le", "gt": "gt", "ge": "ge", "neg": "neg", "pos": "positive",
+    "abs": "abs", "invert": "bitwise_not",
+}
+
+
+@functools.cache
+def _aten_name(func) -> str | None:
+    name = getattr(func, "__name__", None)
+    if name is None:
+        return None
+    if name.startswith("__") and name.endswith("__"):
+        return _DUNDER_OPS.get(name[2:-2])
+    return name
+
+
+@functools.cache
+def is_pointwise(func) -> bool:
+    """Whether ``func`` names an aten op PyTorch tags pointwise (add, relu, where, ...)."""
+    name = _aten_name(func)
+    packet = getattr(torch.ops.aten, name.rstrip("_"), None) if name else None
+    if packet is None:
+        return False
+    return any(torch.Tag.pointwise in getattr(packet, o).tags for o in packet.overloads())
+
+
+def _is_inplace(func) -> bool:
+    name = _aten_name(func)
+    return name is not None and name.endswith("_")
+
+
+def pointwise(func, args: tuple, kwargs: dict) -> Any:
+    """A pointwise op, called once on inputs aligned to the union of their dims."""
+    flat, spec = tree_flatten((args, kwargs))
+    dims, ndim, device = union(flat)
+    if _is_inplace(func) and isinstance(args[0], _Tensor):
+        return _pointwise_inplace(func, flat, spec, dims, ndim, device)
+    flat = [align(x, dims, ndim, device) if isinstance(x, _Tensor) else x for x in flat]
+    a, k = tree_unflatten(flat, spec)
+    out = func(*a, **k)
+    return tree_map(lambda o: wrap(o, dims) if isinstance(o, torch.Tensor) else o, out)
+
+
+def _pointwise_inplace(func, flat, spec, dims, ndim, device):
+    target = flat[0]
+    if type(target) is Dim:
+        raise TypeError(f"{_aten_name(func)}: dim {target} cannot be modified in place")
+    missing = [d for d in dims if find(target._dims, d) < 0]
+    if missing:
+        raise ValueError(
+            f"{_aten_name(func)}: an in-place op on a tensor with dims {target._dims} cannot "
+            f"take values batched over {tuple(missing)}; use the out-of-place op"
+        )
+    own = target._dims
+    flat = [target._tensor] + [
+        align(x, own, target.ndim, device) if isinstance(x, _Tensor) else x for x in flat[1:]
+    ]
+    a, k = tree_unflatten(flat, spec)
+    func(*a, **k)
+    return target
+
+
+def batched(func, args: tuple, kwargs: dict) -> Any:
+    """Any op: one vmap level per dim of the inputs, so this project's batching rules
+    batch it, then the outputs' batch dims become first-class dims again."""
+    flat, spec = tree_flatten((args, kwargs))
+    dims, _, device = union(flat)
+    with contextlib.ExitStack() as stack:
+        levels = [stack.enter_context(batch_level("different", d.size)) for d in dims]
+        for k, x in enumerate(flat):
+            if isinstance(x, _Tensor):
+                flat[k] = _enter(x, dims, levels, device)
+        a, kw = tree_unflatten(flat, spec)
+        out = func(*a, **kw)
+        return tree_map(lambda o: _leave(o, dims, levels), out)
+
+
+def _enter(x: _Tensor, dims: tuple, levels: list, device) -> torch.Tensor:
+    t = storage(x, device)
+    own = x._dims
+    where = [find(dims, d) for d in own]
+    perm = sorted(range(len(own)), key=where.__getitem__)
+    if perm != list(range(len(own))):
+        t = t.permute(*perm, *range(len(own), t.ndim))
+    present = set(where)
+    for k, level in enumerate(levels):
+        if k in present:
+            t = wrap_batched(level, t, 0)
+    return t
+
+
+def _leave(o: Any, dims: tuple, levels: list) -> Any:
+    if not isinstance(o, torch.Tensor):
+        return o
+    present = []
+    for d, level in zip(reversed(dims), reversed(levels)):
+        if type(o) is level:
+            o = o._inner.movedim(o._bdim, 0)
+            present.append(d)
+    return wrap(o, tuple(reversed(present)))
+
+
+# -- methods of dims tensors ------------------------------------------------------------
+def _axes(x: _Tensor, spec: Any) -> list[int]:
+    """Storage axes of ``x`` that ``spec`` (a dim, a dim list or a positional int) names."""
+    if isinstance(spec, DimList):
+        return [a for d in spec for a in _axes(x, d)]
+    if isinstance(spec, Dim):
+        k = find(x._dims, spec)
+        if k < 0:
+            raise ValueError(f"tensor has no dim {spec}: its dims are {x._dims}")
+        return [k]
+    if isinstance(spec, int):
+        if not -x.ndim <= spec < x.ndim:
+            raise IndexError(
+                f"positional dim {spec} out of range for a tensor with {x.ndim} positional dims"
+            )
+        return [len(x._dims) + spec % x.ndim]
+    raise TypeError(f"expected a Dim, a DimList or an int, got {type(spec).__name__}")
+
+
+def order(x: _Tensor, specs: tuple) -> Any:
+    t, own = storage(x, None), x._dims
+    groups = []
+    for s in specs:
+        if isinstance(s, (tuple, list)):
+            groups.append([a for e in s for a in _axes(x, e)])
+        else:
+            groups.extend([a] for a in _axes(x, s))
+    used = [a for g in groups for a in g]
+    if len(set(used)) != len(used):
+        raise ValueError(f"order{specs}: a dim is named twice")
+    rest = [k for k in range(len(own)) if k not in used]
+    positional = [k for k in range(len(own), t.ndim) if k not in used]
+    t = t.permute(*rest, *used, *positional)
+    if any(len(g) != 1 for g in groups):
+        sizes = [t.shape[k] for k in range(len(rest))]
+        at = len(rest)
+        for g in groups:
+            sizes.append(t.shape[at:at + len(g)].numel())
+            at += len(g)
+        t = t.reshape(*sizes, *t.shape[at:])
+    return wrap(t, tuple(own[k] for k in rest))
+
+
+def index(x: _Tensor, dims: Any, indices: Any) -> Any:
+    from torchlevels.dim._getitem import getitem
+
+    if isinstance(dims, (Dim, DimList, int)):
+        dims, indices = (dims,), (indices,)
+    dims, indices = tuple(dims), tuple(indices)
+    if len(dims) != len(indices):
+        raise ValueError(f"index: {len(dims)} dims but {len(indices)} indices")
+    return getitem(order(x, dims), indices)
+
+
+def expand(x: _Tensor, sizes: tuple) -> Any:
+    if not sizes or not all(isinstance(s, Dim) for s in sizes):
+        return torch_function(torch.Tensor.expand, (x, *sizes), {})
+    new = tuple(d for d in sizes if find(x._dims, d) < 0)
+    t = storage(x, None)
+    t = t[(None,) * len(new)].expand(*(d.size for d in new), *t.shape)
+    return Tensor(t, new + x._dims)
+
+
+def describe(x: _Tensor) -> str:
+    sizes = tuple(d.size for d in x._dims)
+    dims = "(" + ", ".join(map(repr, x._dims)) + ("," if len(x._dims) == 1 else "") + ")"
+    return f"{storage(x, None)!r}\nwith dims={dims} sizes={sizes}"
