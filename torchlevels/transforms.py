@@ -19,6 +19,7 @@ from torch._functorch.eager_transforms import (
 from torch.func import functional_call, stack_module_state
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from torchlevels._dim_inputs import accepts_dims
 from torchlevels._level import LevelTensor, enclosing_classes, innermost
 from torchlevels.autodiff import GradLevel, grad_level, jvp_level, shallow_copy
 from torchlevels.vmap import vmap
@@ -130,7 +131,7 @@ def grad_and_value(func: Callable, argnums: int | tuple[int, ...] = 0,
                 value = (value, aux)
         return tree_unflatten(grads, spec), value
 
-    return wrapper
+    return accepts_dims(wrapper)
 
 
 def _out_of(G, t: Any, keep: bool) -> Any:
@@ -167,7 +168,7 @@ def grad(func: Callable, argnums: int | tuple[int, ...] = 0, has_aux: bool = Fal
         gradient, value = g_and_v(*args, **kwargs)
         return (gradient, value[1]) if has_aux else gradient
 
-    return wrapper
+    return accepts_dims(wrapper)
 
 
 def vjp(func: Callable, *primals: Any, has_aux: bool = False) -> tuple:
@@ -354,7 +355,7 @@ def jacrev(func: Callable, argnums: int | tuple[int, ...] = 0, *, has_aux: bool 
         jac = tree_unflatten(blocks, out_spec)
         return (jac, result[2]) if has_aux else jac
 
-    return wrapper
+    return accepts_dims(wrapper)
 
 
 def _basis(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -432,7 +433,7 @@ def jacfwd(func: Callable, argnums: int | tuple[int, ...] = 0, has_aux: bool = F
             return jac, tree_map(lambda a: a[0], results[2])
         return jac
 
-    return wrapper
+    return accepts_dims(wrapper)
 
 
 def hessian(func: Callable, argnums: int | tuple[int, ...] = 0) -> Callable:
@@ -457,4 +458,4 @@ def hessian(func: Callable, argnums: int | tuple[int, ...] = 0) -> Callable:
         _inputs("hessian", tree_flatten(_slice_argnums(args, argnums))[0], ValueError)
         return jac(*args, **kwargs)
 
-    return wrapper
+    return accepts_dims(wrapper)

@@ -18,6 +18,7 @@ import torch
 from torch.utils._pytree import TreeSpec, _broadcast_to_and_flatten, tree_flatten, tree_unflatten
 
 from torchlevels import batching  # noqa: F401  (registers the rules)
+from torchlevels._dim_inputs import accepts_dims
 from torchlevels._level import Level, LevelTensor, entered, new_level_class, set_logical_meta
 from torchlevels.batching import predispatch
 from torchlevels.batching.registry import How, resolve, resolved_by_id
@@ -295,7 +296,7 @@ def vmap(
             func, flat_args, flat_dims, spec, kwargs, out_dims, randomness, size, chunk_size
         )
 
-    return wrapped
+    return accepts_dims(wrapped)
 
 
 def _name(func: Callable) -> str:

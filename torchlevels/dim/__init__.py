@@ -4,7 +4,7 @@
 (``A[i, k]``); every op batches over the union of its inputs' dims (Rule 1); a dim works
 wherever torch takes a ``dim`` (Rule 2); a dim is the tensor of its own indices (Rule 3);
 ``.order(...)`` turns dims back into positional dims. A product summed over a shared dim
-runs as one einsum. Ops that are not pointwise run under one vmap level per dim.
+runs as one matmul. Ops that are not pointwise run under one vmap level per dim.
 
 Example::
 

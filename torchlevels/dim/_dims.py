@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dis
+import functools
 import inspect
 from collections.abc import Sequence
 
@@ -151,22 +152,22 @@ class DimList:
         return f"*{self._name}" if self._dims is None else repr(tuple(self._dims))
 
 
-def _assigned_names(frame) -> list[str]:
-    """The variable names the caller's current call is assigned to (for debug names)."""
-    code, lasti = frame.f_code, frame.f_lasti
+@functools.lru_cache(maxsize=1024)
+def _assigned_names(code, lasti: int) -> tuple[str, ...]:
+    """The variable names the call at ``lasti`` in ``code`` is assigned to (debug names)."""
     instructions = list(dis.get_instructions(code))
     # the running CALL: the last instruction at or before f_lasti (which may be in its cache)
     at = max((k for k, ins in enumerate(instructions) if ins.offset <= lasti), default=None)
     if at is None:
-        return []
+        return ()
     following = instructions[at + 1:]
     if not following:
-        return []
+        return ()
     first = following[0]
     if first.opname.startswith("STORE_") and first.opname != "STORE_FAST_STORE_FAST":
-        return [str(first.argval)]
+        return (str(first.argval),)
     if first.opname != "UNPACK_SEQUENCE":
-        return []
+        return ()
     names: list[str] = []
     for ins in following[1:]:
         if len(names) >= first.argval:
@@ -177,13 +178,13 @@ def _assigned_names(frame) -> list[str]:
             names.append(str(ins.argval))
         else:
             break
-    return names if len(names) == first.argval else []
+    return tuple(names) if len(names) == first.argval else ()
 
 
 def _make(kind: str, n: int | None, sizes: Sequence | None, factory) -> object:
     frame = inspect.currentframe().f_back.f_back
     try:
-        names = _assigned_names(frame)
+        names = _assigned_names(frame.f_code, frame.f_lasti)
     finally:
         del frame
     if sizes is not None and n is not None and len(sizes) != n:

@@ -22,11 +22,28 @@ _SPLIT = "split"
 def getitem(x: Any, index: Any) -> Any:
     """``x[index]`` where ``x`` or ``index`` holds first-class dims."""
     t, own = (storage(x, None), x._dims) if isinstance(x, _Tensor) else (x, ())
+    fast = _bind_all(t, own, index)
+    if fast is not None:
+        return fast
     items = _expand(list(index) if isinstance(index, tuple) else [index], t.ndim - len(own))
     t, items = _split(t, len(own), items)
     if any(_is_advanced(i) for i in items):
         return _gather(t, own, items)
     return _view(t, own, items)
+
+
+def _bind_all(t: torch.Tensor, own: tuple, index: Any) -> Tensor | None:
+    """The common case, fast: new dims for all positional dims (``A[i, k]``)."""
+    if type(index) is not tuple:
+        index = (index,)
+    if len(index) + len(own) != t.ndim:
+        return None
+    for k, d in enumerate(index):
+        if type(d) is not Dim or find(own, d) >= 0 or find(index[:k], d) >= 0:
+            return None
+    for d, size in zip(index, t.shape[len(own):]):
+        d.size = size
+    return Tensor(t, own + index)
 
 
 def setitem(x: Any, index: Any, value: Any) -> None:
@@ -205,7 +222,7 @@ def _gather(t: torch.Tensor, own: tuple, items: list) -> Any:
                 and (find(tuple(items[:k]), i) >= 0 or find(tuple(items[k + 1:]), i) >= 0)}
 
     def gathers(i: Any) -> bool:
-        return _is_advanced(i) or isinstance(i, int) or (
+        return _is_advanced(i) or (
             isinstance(i, Dim)
             and (id(i) in repeated or find(index_dims, i) >= 0 or find(own, i) >= 0)
         )
@@ -216,14 +233,16 @@ def _gather(t: torch.Tensor, own: tuple, items: list) -> Any:
     labels: list = []  # per axis of t: a Dim, None (positional) or ("gather", index)
     for d in own:
         labels.append(("gather", d) if find(index_dims, d) >= 0 else d)
-    advanced_at = []  # positions (among positional entries) of gathered items
-    for position, i in enumerate(items):
+    # where torch places the index's positional dims: in the loop model a dim is an int,
+    # and torch selects ints (and 0-dim tensors) first; the tensor indices with dims of
+    # their own go where they stand if adjacent, else first
+    advanced_at = [k for k, i in enumerate(items) if _is_advanced(i) and _ndim(i) > 0]
+    for i in items:
         if gathers(i):
             labels.append(("gather", i))
-            advanced_at.append(position)
         elif isinstance(i, Dim):
             labels.append(i)
-        else:
+        elif not isinstance(i, int):
             labels.append(None)
     for k, d in enumerate(labels):
         if isinstance(d, Dim):
@@ -241,12 +260,12 @@ def _gather(t: torch.Tensor, own: tuple, items: list) -> Any:
     # t is now: the index dims, the index positional dims, then the rest's axes
     rest_labels = [labels[k] for k in rest]
     n_index = len(dims)
-    contiguous = advanced_at == list(range(advanced_at[0], advanced_at[0] + len(advanced_at)))
-    insert_at = advanced_at[0] if contiguous and advanced_at else 0
+    contiguous = bool(advanced_at) and advanced_at[-1] - advanced_at[0] == len(advanced_at) - 1
+    insert_at = advanced_at[0] if contiguous else 0
     # positional order: rest's positional axes, with the index's positional block placed
     # where torch places it (at the first tensor index if they are adjacent, else first)
     rest_positional = [n_index + ndim + k for k, e in enumerate(rest_labels) if e is None]
-    before = sum(1 for p in range(insert_at) if p not in advanced_at)
+    before = sum(1 for i in items[:insert_at] if i is None or isinstance(i, slice))
     block = list(range(n_index, n_index + ndim))
     positional = rest_positional[:before] + block + rest_positional[before:]
     rest_dims = [n_index + ndim + k for k, e in enumerate(rest_labels) if e is not None]
@@ -256,9 +275,10 @@ def _gather(t: torch.Tensor, own: tuple, items: list) -> Any:
                    + [None] * len(positional))
 
 
+def _ndim(i: Any) -> int:
+    """Positional dims of an index (a list of ints has one, or more if nested)."""
+    return torch.tensor(i).ndim if isinstance(i, list) else i.ndim
+
+
 def _as_index(i: Any, device: torch.device) -> Any:
-    if isinstance(i, int):
-        return torch.tensor(i, device=device)
-    if isinstance(i, list):
-        return torch.tensor(i, device=device)
-    return i
+    return torch.tensor(i, device=device) if isinstance(i, list) else i

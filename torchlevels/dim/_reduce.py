@@ -1,13 +1,14 @@
 """Rule 2, dims wherever torch takes a ``dim``: ``x.sum(k)``, ``x.mean((h, w))``,
-``softmax(x, dim=key)``; and a product summed over shared dims runs as one einsum.
+``softmax(x, dim=key)``; and a product summed over shared dims runs as one matmul.
 
-``A[i, k] * B[k, j]`` is delayed: if ``.sum(k)`` follows, the pair becomes
-``einsum("ik,kj->ij")`` (one matmul, the full product never exists); any other use
-computes the product.
+``A[i, k] * B[k, j]`` is delayed: if ``.sum(k)`` follows, the pair becomes one matmul
+(``A @ B``; batched over shared dims that are kept), and the full product never exists;
+any other use computes the product.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -124,19 +125,49 @@ def multiply(*args: Any, **kwargs: Any) -> Any:
 
 
 def _dot(product: _DelayedMul, summed: tuple) -> Any:
+    """``(lhs * rhs).sum(summed)`` as one (batched) matmul: dims in both operands that
+    are kept batch it, dims in both that are summed are contracted, the others are the
+    rows and columns; a summed dim in one operand only is summed there first."""
+    in_product = {id(d) for d in product._dims}
     for d in summed:
-        if find(product._dims, d) < 0:
+        if id(d) not in in_product:
             raise ValueError(f"sum: tensor has no dim {d}: its dims are {product._dims}")
-    letters: dict[int, str] = {}
-
-    def subscripts(dims: tuple) -> str:
-        return "".join(letters.setdefault(id(d), chr(97 + len(letters))) for d in dims)
-
     lhs, rhs = product._lhs, product._rhs
-    kept = tuple(d for d in product._dims if find(summed, d) < 0)
-    equation = f"{subscripts(lhs._dims)},{subscripts(rhs._dims)}->{subscripts(kept)}"
-    a, b = lhs._tensor, rhs._tensor
+    is_summed = {id(d) for d in summed}
+    (a, a_dims), (b, b_dims) = _sum_alone(lhs, rhs, is_summed), _sum_alone(rhs, lhs, is_summed)
     if a.dtype != b.dtype:
         dtype = torch.promote_types(a.dtype, b.dtype)
         a, b = a.to(dtype), b.to(dtype)
-    return wrap(torch.einsum(equation, a, b), kept)
+    in_b = {id(d) for d in b_dims}
+    in_a = {id(d) for d in a_dims}
+    batch = [d for d in a_dims if id(d) in in_b and id(d) not in is_summed]
+    contracted = [d for d in a_dims if id(d) in in_b and id(d) in is_summed]
+    rows = [d for d in a_dims if id(d) not in in_b]
+    cols = [d for d in b_dims if id(d) not in in_a]
+    a = _grouped(a, a_dims, batch, rows, contracted)
+    b = _grouped(b, b_dims, batch, contracted, cols)
+    out = torch.matmul(a, b) if batch else torch.mm(a, b)
+    kept = (*batch, *rows, *cols)
+    sizes = [d._size for d in kept]
+    return wrap(out if out.shape == sizes else out.reshape(sizes), kept)
+
+
+def _sum_alone(x: Tensor, other: Tensor, is_summed: set) -> tuple[torch.Tensor, tuple]:
+    """``x``'s tensor with the summed dims that ``other`` lacks summed away."""
+    in_other = {id(d) for d in other._dims}
+    alone = [k for k, d in enumerate(x._dims) if id(d) in is_summed and id(d) not in in_other]
+    if not alone:
+        return x._tensor, x._dims
+    return x._tensor.sum(alone), tuple(d for k, d in enumerate(x._dims) if k not in alone)
+
+
+def _grouped(t: torch.Tensor, dims: tuple, batch: list, first: list, second: list
+             ) -> torch.Tensor:
+    """``t`` permuted to ``batch, first, second`` and each group flattened to one dim
+    (no batch dim when ``batch`` is empty, so the result is a matrix)."""
+    order = [*batch, *first, *second]
+    perm = [find(dims, d) for d in order]
+    if perm != list(range(len(perm))):
+        t = t.permute(perm)
+    sizes = [math.prod(d._size for d in g) for g in (batch, first, second) if g or g is not batch]
+    return t if t.shape == sizes else t.reshape(sizes)
