@@ -117,3 +117,13 @@ def test_grad_with_respect_to_dims_inputs_inside_dims_code():
     per_example = tl.grad(lambda w, e: (e * w).sum().tanh())(w, ex[b]).order(b)
     assert_close(per_example, tf.vmap(tf.grad(lambda w, e: (e * w).sum().tanh()),
                                       in_dims=(None, 0))(w, ex))
+
+
+@pytest.mark.parametrize("name", ["", "._dims", "._base", "._ops", "._functions"])
+def test_docstring_examples_run(name):
+    import doctest
+    import importlib
+
+    module = importlib.import_module(f"torchlevels.dim{name}")
+    result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
+    assert result.failed == 0 and result.attempted > 0

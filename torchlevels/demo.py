@@ -11,6 +11,7 @@ from torch.func import vmap as func_vmap
 
 import torchlevels
 from torchlevels import EscapedTensorError, count_flops, functional_call, grad, hessian, vmap
+from torchlevels.dim import dims, softmax
 
 
 def _ms(fn, *args, reps: int = 30) -> float:
@@ -104,6 +105,30 @@ def main() -> None:
           f"{_ms(vmap(grad(chain)), v):.3f} ms eager vs "
           f"{_ms(func_vmap(torch.func.grad(chain)), v):.3f} ms torch.func")
 
+    print("10. first-class dims: a product summed over a dim runs as one matmul")
+    A, Bm = torch.randn(256, 256), torch.randn(256, 256)
+
+    def mm(A, B):
+        i, j, k = dims(3)
+        return (A[i, k] * B[k, j]).sum(k).order(i, j)
+
+    same = torch.allclose(mm(A, Bm), A @ Bm, atol=1e-4)
+    print(f"   (A[i, k] * B[k, j]).sum(k) equals A @ B: {same}; "
+          f"{_ms(mm, A, Bm):.3f} ms vs {_ms(torch.matmul, A, Bm):.3f} ms for A @ B")
+    K, Q = torch.randn(2, 16, 10), torch.randn(2, 16, 12)
+    batch, channel, key, query = dims(4)
+    scores = softmax((K[batch, channel, key] * Q[batch, channel, query]).sum(channel), dim=key)
+    ones = torch.allclose(scores.sum(key).order(batch, query), torch.ones(2, 12))
+    print(f"   attention scores have dims {scores.dims}; they sum to 1 over key: {ones}")
+    i, j = dims(sizes=[4, 4])
+    triu = torch.equal(torch.where(i <= j, 1, 0).order(i, j), torch.ones(4, 4).triu().long())
+    print(f"   a dim is the tensor of its indices: where(i <= j, 1, 0) is triu: {triu}")
+    b = dims(1)
+    w = torch.randn(3)
+    loss = lambda w, e: (e * w).sum().tanh()
+    per_example = grad(loss)(w, x[b]).order(b)
+    same = torch.allclose(per_example, func_vmap(torch.func.grad(loss), (None, 0))(w, x))
+    print(f"   grad(loss)(w, x[b]) is per-example, like vmap over b: {same}")
 
 if __name__ == "__main__":
     main()

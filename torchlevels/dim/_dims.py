@@ -151,6 +151,12 @@ class DimList:
     def __repr__(self) -> str:
         return f"*{self._name}" if self._dims is None else repr(tuple(self._dims))
 
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        from torchlevels.dim import _ops
+
+        return _ops.torch_function(func, args, kwargs or {})
+
 
 @functools.lru_cache(maxsize=1024)
 def _assigned_names(code, lasti: int) -> tuple[str, ...]:

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from torchlevels.dim import _lookup
 from torchlevels.dim._base import _Tensor
 from torchlevels.dim._dims import Dim, DimensionBindError, DimList
 from torchlevels.dim._ops import Tensor, align, find, storage, union, wrap
@@ -28,7 +29,8 @@ def getitem(x: Any, index: Any) -> Any:
     items = _expand(list(index) if isinstance(index, tuple) else [index], t.ndim - len(own))
     t, items = _split(t, len(own), items)
     if any(_is_advanced(i) for i in items):
-        return _gather(t, own, items)
+        lookup = _lookup.delayed(t, own, items, lambda: _gather(t, own, items))
+        return lookup if lookup is not None else _gather(t, own, items)
     return _view(t, own, items)
 
 

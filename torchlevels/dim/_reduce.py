@@ -16,6 +16,7 @@ from torch.utils._pytree import tree_map
 
 from torchlevels.dim._base import _Tensor
 from torchlevels.dim._dims import Dim, DimList
+from torchlevels.dim._lookup import DelayedLookup, bag
 from torchlevels.dim._ops import Tensor, _axes, find, pointwise, storage, union, wrap
 
 # name -> (position of the dim argument, whether the dim is reduced away, one dim only)
@@ -71,10 +72,16 @@ def _with_dims(func, args: tuple, kwargs: dict, pos: int, reduces: bool, single:
     if not isinstance(x, _Tensor):
         raise ValueError(f"{name}: dims {spec} given for a tensor without first-class dims")
     entries = spec if isinstance(spec, (tuple, list)) else (spec,)
-    if type(x) is _DelayedMul and name == "sum" and len(args) <= 2 and not kwargs.keys() - {
+    if type(x) in (_DelayedMul, DelayedLookup) and len(args) <= 2 and not kwargs.keys() - {
         "dim"
     } and all(isinstance(e, (Dim, DimList)) for e in entries):
-        return _dot(x, tuple(d for e in entries for d in (e if isinstance(e, DimList) else [e])))
+        summed = tuple(d for e in entries for d in (e if isinstance(e, DimList) else [e]))
+        if type(x) is _DelayedMul and name == "sum":
+            return _dot(x, summed)
+        if type(x) is DelayedLookup and name in ("sum", "mean"):
+            out = bag(x, summed, name)
+            if out is not None:
+                return out
     axes = [a for e in entries for a in _axes(x, e)]
     if single and len(axes) != 1:
         raise ValueError(f"{name} takes one dim, got {spec}")

@@ -1,0 +1,65 @@
+"""Embedding lookups summed over their index's dims run as one ``embedding_bag``.
+
+``W[ids[b, s], f]`` is delayed: if ``.sum(s)`` or ``.mean(s)`` follows, the pair is
+``F.embedding_bag`` (no (b, s, f) tensor is made); any other use runs the gather.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from torchlevels.dim._dims import Dim
+from torchlevels.dim._ops import Tensor, find, wrap
+
+
+class DelayedLookup(Tensor):
+    """``table[ids, feature]``: rows of a plain 2-D ``table`` picked by ``ids``, a tensor
+    with dims only, and its columns bound to the dim ``feature``."""
+
+    __slots__ = ("_table", "_ids", "_feature", "_gathered", "_run")
+
+    def __init__(self, table: torch.Tensor, ids: Tensor, feature: Dim, run) -> None:
+        self._table, self._ids, self._feature, self._run = table, ids, feature, run
+        self._gathered = None
+        self._dims = (*ids._dims, feature)
+
+    @property
+    def _tensor(self) -> torch.Tensor:
+        if self._gathered is None:
+            self._gathered = self._run()._tensor
+        return self._gathered
+
+
+def delayed(t: torch.Tensor, own: tuple, items: list, run) -> DelayedLookup | None:
+    """A delayed lookup if ``t[items]`` is one (``run()`` computes it the usual way)."""
+    if own or t.ndim != 2 or type(t) is not torch.Tensor or len(items) != 2:
+        return None
+    ids, feature = items
+    if not (type(ids) is Tensor and type(feature) is Dim and ids.ndim == 0):
+        return None
+    if type(ids._tensor) is not torch.Tensor or ids._tensor.dtype not in (torch.int64,
+                                                                           torch.int32):
+        return None
+    if find(ids._dims, feature) >= 0:
+        return None
+    feature.size = t.shape[1]
+    return DelayedLookup(t, ids, feature, run)
+
+
+def bag(x: DelayedLookup, summed: tuple, mode: str) -> Tensor | torch.Tensor | None:
+    """``x.sum(summed)`` (or mean) as ``embedding_bag``; None if ``summed`` is not a set
+    of the ids' dims."""
+    ids = x._ids
+    at = [find(ids._dims, d) for d in summed]
+    if not summed or min(at) < 0 or len(set(at)) != len(at):
+        return None
+    kept = [k for k in range(len(ids._dims)) if k not in at]
+    t = ids._tensor.permute(*kept, *at)
+    rows = math.prod(t.shape[:len(kept)])
+    out = F.embedding_bag(t.reshape(rows, -1), x._table, mode=mode)
+    kept_dims = tuple(ids._dims[k] for k in kept)
+    return wrap(out.reshape(*(d.size for d in kept_dims), out.shape[-1]),
+                (*kept_dims, x._feature))
