@@ -41,8 +41,7 @@ def stack(tensors: Sequence[Any], new_dim: Dim, dim: int = 0) -> Any:
         True
     """
     t = torch.stack(list(tensors), dim)
-    ndim = t.ndim if not isinstance(t, _Tensor) else t.ndim
-    return getitem(t, (*[slice(None)] * (dim % ndim), new_dim))
+    return getitem(t, (*[slice(None)] * (dim % t.ndim), new_dim))
 
 
 def cat(tensors: Sequence[Any], dim: Any, new_dim: Dim) -> Any:
