@@ -26,8 +26,7 @@ def getitem(x: Any, index: Any) -> Any:
     fast = _bind_all(t, own, index)
     if fast is not None:
         return fast
-    items = _expand(list(index) if isinstance(index, tuple) else [index], t.ndim - len(own))
-    t, items = _split(t, len(own), items)
+    t, items = _parse(t, own, index)
     if any(_is_advanced(i) for i in items):
         lookup = _lookup.delayed(t, own, items, lambda: _gather(t, own, items))
         return lookup if lookup is not None else _gather(t, own, items)
@@ -51,8 +50,7 @@ def _bind_all(t: torch.Tensor, own: tuple, index: Any) -> Tensor | None:
 def setitem(x: Any, index: Any, value: Any) -> None:
     """``x[index] = value``: writes through the view that ``x[index]`` would be."""
     t, own = (storage(x, None), x._dims) if isinstance(x, _Tensor) else (x, ())
-    items = _expand(list(index) if isinstance(index, tuple) else [index], t.ndim - len(own))
-    t, items = _split(t, len(own), items)
+    t, items = _parse(t, own, index)
     if any(_is_advanced(i) for i in items):
         raise NotImplementedError(
             "assigning through tensor indices together with first-class dims is not "
@@ -75,6 +73,12 @@ def setitem(x: Any, index: Any, value: Any) -> None:
 
 
 # -- parsing ----------------------------------------------------------------------------
+def _parse(t: torch.Tensor, own: tuple, index: Any) -> tuple[torch.Tensor, list]:
+    """``t`` with split dims unflattened, and one index entry per positional dim."""
+    items = _expand(list(index) if isinstance(index, tuple) else [index], t.ndim - len(own))
+    return _split(t, len(own), items)
+
+
 def _is_split(item: Any) -> bool:
     return isinstance(item, tuple) or (
         isinstance(item, list) and any(isinstance(e, (Dim, DimList)) for e in item)

@@ -12,25 +12,22 @@ import torch
 import torch.nn.functional as F
 
 from torchlevels.dim._dims import Dim
-from torchlevels.dim._ops import Tensor, find, wrap
+from torchlevels.dim._ops import Delayed, Tensor, find, wrap
 
 
-class DelayedLookup(Tensor):
+class DelayedLookup(Delayed):
     """``table[ids, feature]``: rows of a plain 2-D ``table`` picked by ``ids``, a tensor
     with dims only, and its columns bound to the dim ``feature``."""
 
-    __slots__ = ("_table", "_ids", "_feature", "_gathered", "_run")
+    __slots__ = ("_table", "_ids", "_feature", "_run")
 
     def __init__(self, table: torch.Tensor, ids: Tensor, feature: Dim, run) -> None:
         self._table, self._ids, self._feature, self._run = table, ids, feature, run
-        self._gathered = None
+        self._value = None
         self._dims = (*ids._dims, feature)
 
-    @property
-    def _tensor(self) -> torch.Tensor:
-        if self._gathered is None:
-            self._gathered = self._run()._tensor
-        return self._gathered
+    def _compute(self) -> torch.Tensor:
+        return self._run()._tensor
 
 
 def delayed(t: torch.Tensor, own: tuple, items: list, run) -> DelayedLookup | None:

@@ -43,6 +43,21 @@ class Tensor(_Tensor):
         self._dims = dims
 
 
+class Delayed(Tensor):
+    """A tensor with dims whose value is computed (once) only if something reads it."""
+
+    __slots__ = ("_value",)
+
+    def _compute(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    @property
+    def _tensor(self) -> torch.Tensor:
+        if self._value is None:
+            self._value = self._compute()
+        return self._value
+
+
 def wrap(tensor: torch.Tensor, dims: tuple[Dim, ...]) -> Tensor | torch.Tensor:
     """``tensor`` with leading ``dims``; a plain tensor when there are none."""
     return Tensor(tensor, dims) if dims else tensor
@@ -95,13 +110,19 @@ def align(x: _Tensor, dims: tuple, ndim: int, device: torch.device | None) -> to
     pad = ndim - (t.ndim - len(own))
     if pad == 0 and same(own, dims):
         return t
+    t, present = _in_order(t, own, dims)
+    index = [slice(None) if k in present else None for k in range(len(dims))]
+    return t[(*index, *[None] * pad)]
+
+
+def _in_order(t: torch.Tensor, own: tuple, dims: tuple) -> tuple[torch.Tensor, list[int]]:
+    """``t`` with its leading dims ``own`` permuted into their order in ``dims``, and
+    their (sorted) positions there."""
     where = [find(dims, d) for d in own]
     perm = sorted(range(len(own)), key=where.__getitem__)
     if perm != list(range(len(own))):
         t = t.permute(*perm, *range(len(own), t.ndim))
-    present = sorted(where)
-    index = [slice(None) if k in present else None for k in range(len(dims))]
-    return t[(*index, *[None] * pad)]
+    return t, sorted(where)
 
 
 # -- the entry point ------------------------------------------------------------------
@@ -111,9 +132,9 @@ def torch_function(func, args: tuple, kwargs: dict) -> Any:
         return special(*args, **kwargs)
     from torchlevels.dim import _reduce
 
-    rule = _reduce.rule_for(func)
-    if rule is not None:
-        out = rule(func, args, kwargs)
+    dim_argument = _reduce.dim_argument(func)
+    if dim_argument is not None:
+        out = _reduce.with_dims(func, args, kwargs, *dim_argument)
         if out is not NotImplemented:
             return out
     if is_pointwise(func):
@@ -222,13 +243,7 @@ def batched(func, args: tuple, kwargs: dict) -> Any:
 
 
 def _enter(x: _Tensor, dims: tuple, levels: list, device) -> torch.Tensor:
-    t = storage(x, device)
-    own = x._dims
-    where = [find(dims, d) for d in own]
-    perm = sorted(range(len(own)), key=where.__getitem__)
-    if perm != list(range(len(own))):
-        t = t.permute(*perm, *range(len(own), t.ndim))
-    present = set(where)
+    t, present = _in_order(storage(x, device), x._dims, dims)
     for k, level in enumerate(levels):
         if k in present:
             t = wrap_batched(level, t, 0)

@@ -8,6 +8,7 @@ any other use computes the product.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -17,7 +18,7 @@ from torch.utils._pytree import tree_map
 from torchlevels.dim._base import _Tensor
 from torchlevels.dim._dims import Dim, DimList
 from torchlevels.dim._lookup import DelayedLookup, bag
-from torchlevels.dim._ops import Tensor, _axes, find, pointwise, storage, union, wrap
+from torchlevels.dim._ops import Delayed, Tensor, _axes, find, pointwise, storage, union, wrap
 
 # name -> (position of the dim argument, whether the dim is reduced away, one dim only)
 _DIM_ARGUMENTS = {
@@ -34,7 +35,8 @@ _DIM_ARGUMENTS = {
 }
 
 
-def _functions() -> dict:
+@functools.cache
+def _table() -> dict:
     table = {}
     for name, spec in _DIM_ARGUMENTS.items():
         for owner in (torch.Tensor, torch, torch.nn.functional):
@@ -44,16 +46,9 @@ def _functions() -> dict:
     return table
 
 
-_RULES: dict | None = None
-
-
-def rule_for(func) -> Any:
-    """The Rule-2 handler if ``func`` takes a dim argument, else None."""
-    global _RULES
-    if _RULES is None:
-        _RULES = _functions()
-    spec = _RULES.get(func)
-    return None if spec is None else lambda f, a, k: _with_dims(f, a, k, *spec)
+def dim_argument(func) -> tuple[int, bool, bool] | None:
+    """``(position, reduces, one dim only)`` of ``func``'s dim argument, or None."""
+    return _table().get(func)
 
 
 def _names_dims(spec: Any) -> bool:
@@ -62,7 +57,8 @@ def _names_dims(spec: Any) -> bool:
     return isinstance(spec, (tuple, list)) and any(isinstance(e, (Dim, DimList)) for e in spec)
 
 
-def _with_dims(func, args: tuple, kwargs: dict, pos: int, reduces: bool, single: bool) -> Any:
+def with_dims(func, args: tuple, kwargs: dict, pos: int, reduces: bool, single: bool) -> Any:
+    """Rule 2 for ``func``; NotImplemented when its dim argument names no first-class dim."""
     in_kwargs = "dim" in kwargs
     spec = kwargs["dim"] if in_kwargs else (args[pos] if len(args) > pos else None)
     if not _names_dims(spec):
@@ -106,20 +102,17 @@ def _with_dims(func, args: tuple, kwargs: dict, pos: int, reduces: bool, single:
 
 
 # -- delayed products ---------------------------------------------------------------------
-class _DelayedMul(Tensor):
+class _DelayedMul(Delayed):
     """``lhs * rhs``, computed only if something other than a sum over dims reads it."""
 
-    __slots__ = ("_lhs", "_rhs", "_product")
+    __slots__ = ("_lhs", "_rhs")
 
     def __init__(self, lhs: Tensor, rhs: Tensor) -> None:
-        self._lhs, self._rhs, self._product = lhs, rhs, None
+        self._lhs, self._rhs, self._value = lhs, rhs, None
         self._dims = union([lhs, rhs])[0]
 
-    @property
-    def _tensor(self) -> torch.Tensor:
-        if self._product is None:
-            self._product = pointwise(torch.mul, (self._lhs, self._rhs), {})._tensor
-        return self._product
+    def _compute(self) -> torch.Tensor:
+        return pointwise(torch.mul, (self._lhs, self._rhs), {})._tensor
 
 
 def multiply(*args: Any, **kwargs: Any) -> Any:
