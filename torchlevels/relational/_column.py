@@ -1,0 +1,710 @@
+"""Columns: a 1-D tensor of values bound to first-class dims, with a type and nulls.
+
+A column's ``values`` has one entry per row of its dims: ``dims == (L,)`` for a table
+bound to ``L``, ``()`` for a scalar (or for a positional column, whose values are 1-D),
+and ``(G, J)`` for a grouped column, stored flat with the group of each row in
+``groups``. Strings are dictionary-encoded: ``values`` are codes into ``dictionary``, a
+sorted arrow array, so code order is string order and string predicates run once per
+distinct string. Nulls are a ``valid`` mask (None when every value is valid).
+
+An op on columns bound to different dims (``o["o_custkey"] == c["c_custkey"]``) does
+not make the outer product: it returns a lazy :class:`Cross` that ``where`` turns into a
+join.
+"""
+
+from __future__ import annotations
+
+import datetime
+import operator
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import torch
+
+from torchlevels.dim import Dim
+
+KINDS = ("int", "float", "bool", "date", "str")
+_EPOCH = datetime.date(1970, 1, 1)
+_NUMERIC = ("int", "float", "bool")
+
+
+@dataclass(frozen=True, eq=False)
+class Grouping:
+    """Rows split into groups: ``gid[row]`` in ``0 .. size - 1``; ``G`` numbers the
+    groups and the jagged ``J`` the rows inside one."""
+
+    gid: torch.Tensor
+    size: int
+    G: Dim
+    J: Dim
+
+
+def same_dims(a: tuple[Dim, ...], b: tuple[Dim, ...]) -> bool:
+    """Whether two tuples hold the same dims in the same order (dims compare by identity:
+    ``==`` on dims is elementwise, as on tensors)."""
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
+
+
+def date_to_days(d: datetime.date) -> int:
+    """Days since 1970-01-01, how date columns store a date."""
+    if isinstance(d, datetime.datetime):
+        d = d.date()
+    return (d - _EPOCH).days
+
+
+def _describe(x: object) -> str:
+    return x.describe() if isinstance(x, Column) else f"{x!r} ({_const_kind(x)})"
+
+
+def _const_kind(x: object) -> str:
+    if isinstance(x, bool):
+        return "bool"
+    if isinstance(x, int):
+        return "int"
+    if isinstance(x, float):
+        return "float"
+    if isinstance(x, datetime.date):
+        return "date"
+    if isinstance(x, str):
+        return "str"
+    raise TypeError(
+        f"cannot use {x!r} ({type(x).__name__}) in a column expression: use an int, "
+        "float, bool, str, datetime.date or a Column"
+    )
+
+
+def _result_kind(op: str, a: str, b: str) -> str:
+    if op in ("add", "sub") and a == "date" and b in ("int", "bool"):
+        return "date"
+    if op == "add" and b == "date" and a in ("int", "bool"):
+        return "date"
+    if op == "sub" and a == b == "date":
+        return "int"
+    if a not in _NUMERIC or b not in _NUMERIC:
+        raise TypeError(f"cannot {op} {a} and {b} values")
+    if op == "truediv" or "float" in (a, b):
+        return "float"
+    return "int"
+
+
+class Column:
+    """A typed column of values, bound to first-class dims (see the module docstring).
+
+    Example::
+
+        >>> from torchlevels.dim import dims
+        >>> from torchlevels.relational import Table
+        >>> t = Table({"x": [1, 2, 3], "y": [10.0, 20.0, 30.0]})
+        >>> R = dims(1)
+        >>> r = t[R]
+        >>> ((r["x"] * r["y"]).sum(R)).item()
+        140.0
+    """
+
+    __slots__ = ("values", "kind", "dims", "valid", "dictionary", "groups", "name", "__weakref__",
+                 "_where_cache")
+
+    def __init__(
+        self,
+        values: torch.Tensor,
+        kind: str,
+        *,
+        dims: tuple[Dim, ...] = (),
+        valid: torch.Tensor | None = None,
+        dictionary: pa.Array | None = None,
+        groups: Grouping | None = None,
+        name: str = "column",
+    ) -> None:
+        assert kind in KINDS, kind
+        self.values = values
+        self.kind = kind
+        self.dims = dims
+        self.valid = valid
+        self.dictionary = dictionary
+        self.groups = groups
+        self.name = name
+        self._where_cache = None
+
+    # -- facts ---------------------------------------------------------------------------
+    def describe(self) -> str:
+        bound = f" over {', '.join(map(repr, self.dims))}" if self.dims else ""
+        return f"column '{self.name}' ({self.kind}{bound})"
+
+    def __repr__(self) -> str:
+        body = self.to_arrow().to_pylist() if self.values.ndim else self.item()
+        if isinstance(body, list) and len(body) > 10:
+            body = f"{body[:10]!r}... ({len(body)} values)"
+        return f"Column({self.describe()}: {body})"
+
+    def __len__(self) -> int:
+        if self.values.ndim == 0:
+            raise TypeError(f"{self.describe()} is a scalar: it has no length")
+        return self.values.shape[0]
+
+    def __bool__(self) -> bool:
+        raise TypeError(
+            f"the truth value of {self.describe()} is ambiguous: combine conditions with "
+            "&, |, ~ (not and/or/not) and filter with where(mask, rows)"
+        )
+
+    def _like(self, values, kind=None, valid=None, name=None, dictionary=None) -> Column:
+        kind = kind or self.kind
+        if kind == "str" and dictionary is None:
+            dictionary = self.dictionary
+        return Column(values, kind, dims=self.dims, valid=valid, dictionary=dictionary,
+                      groups=self.groups, name=name or self.name)
+
+    def take(self, index: torch.Tensor, dims: tuple[Dim, ...] = (), groups=None) -> Column:
+        """The column at rows ``index`` (``-1`` gives a null), as a column over ``dims``."""
+        missing = index < 0
+        has_missing = bool(missing.any())
+        safe = index.clamp(min=0) if has_missing else index
+        values = self.values[safe] if self.values.numel() else self.values.new_zeros(index.shape)
+        valid = None if self.valid is None else self.valid[safe]
+        if has_missing:
+            valid = ~missing if valid is None else valid & ~missing
+        return Column(values, self.kind, dims=dims, valid=valid, dictionary=self.dictionary,
+                      groups=groups, name=self.name)
+
+    # -- scalars -------------------------------------------------------------------------
+    def item(self):
+        """The Python value of a scalar column (``None`` for a null).
+
+        Example::
+
+            >>> from torchlevels.relational import Table
+            >>> Table({"x": [1.5, 2.5]})["x"].sum().item()
+            4.0
+        """
+        if self.values.ndim != 0:
+            raise TypeError(f"{self.describe()} has {self.values.shape[0]} values, not one")
+        if self.valid is not None and not bool(self.valid):
+            return None
+        v = self.values.item()
+        if self.kind == "date":
+            return _EPOCH + datetime.timedelta(days=int(v))
+        if self.kind == "str":
+            return self.dictionary[int(v)].as_py()
+        if self.kind == "bool":
+            return bool(v)
+        return v
+
+    def __float__(self) -> float:
+        return float(self.item())
+
+    def __int__(self) -> int:
+        return int(self.item())
+
+    # -- arrow ---------------------------------------------------------------------------
+    def to_arrow(self) -> pa.Array:
+        """The values as an arrow array (strings decoded, dates as date32, nulls as null)."""
+        values = self.values.reshape(-1).cpu()
+        mask = None if self.valid is None else pa.array((~self.valid.reshape(-1)).cpu().numpy())
+        if self.kind == "str":
+            arr = pc.take(self.dictionary, pa.array(values.numpy()))
+            return arr if mask is None else pc.if_else(mask, pa.nulls(len(arr), arr.type), arr)
+        np_values = values.numpy()
+        if self.kind == "date":
+            return pa.array(np_values.astype("int32"), type=pa.int32(), mask=mask).cast(
+                pa.date32())
+        return pa.array(np_values, mask=mask)
+
+    # -- elementwise ops -----------------------------------------------------------------
+    def _binary(self, other, op: str, fn: Callable, symbol: str, compare=False, flip=False):
+        if isinstance(other, Cross) or (
+            isinstance(other, Column) and _crosses(self, other)
+        ):
+            a, b = (other, self) if flip else (self, other)
+            return Cross(op, (a, b), symbol)
+        left, right = (other, self) if flip else (self, other)
+        name = f"({_name(left)} {symbol} {_name(right)})"
+        if isinstance(other, Column):
+            a, b = _aligned(left, right, symbol)
+            if compare:
+                a, b = _comparable(a, b, symbol)
+                kind = "bool"
+            else:
+                kind = _result_kind(op, a.kind, b.kind)
+            return _combine(a, b, fn(a.values, b.values), kind, name)
+        if compare:
+            return _compare_const(self, other, op, fn, symbol, flip, name)
+        ck = _const_kind(other)
+        kind = _result_kind(op, *((ck, self.kind) if flip else (self.kind, ck)))
+        c = date_to_days(other) if ck == "date" else other
+        values = fn(c, self.values) if flip else fn(self.values, c)
+        return self._like(values, kind, self.valid, name)
+
+    def __add__(self, o):
+        return self._binary(o, "add", operator.add, "+")
+
+    def __radd__(self, o):
+        return self._binary(o, "add", operator.add, "+", flip=True)
+
+    def __sub__(self, o):
+        return self._binary(o, "sub", operator.sub, "-")
+
+    def __rsub__(self, o):
+        return self._binary(o, "sub", operator.sub, "-", flip=True)
+
+    def __mul__(self, o):
+        return self._binary(o, "mul", operator.mul, "*")
+
+    def __rmul__(self, o):
+        return self._binary(o, "mul", operator.mul, "*", flip=True)
+
+    def __truediv__(self, o):
+        return self._binary(o, "truediv", _true_divide, "/")
+
+    def __rtruediv__(self, o):
+        return self._binary(o, "truediv", _true_divide, "/", flip=True)
+
+    def __neg__(self) -> Column:
+        if self.kind not in ("int", "float"):
+            raise TypeError(f"cannot negate {self.describe()}")
+        return self._like(-self.values, valid=self.valid, name=f"-{self.name}")
+
+    def __lt__(self, o):
+        return self._binary(o, "lt", torch.lt, "<", compare=True)
+
+    def __le__(self, o):
+        return self._binary(o, "le", torch.le, "<=", compare=True)
+
+    def __gt__(self, o):
+        return self._binary(o, "gt", torch.gt, ">", compare=True)
+
+    def __ge__(self, o):
+        return self._binary(o, "ge", torch.ge, ">=", compare=True)
+
+    def __eq__(self, o):  # type: ignore[override]
+        return self._binary(o, "eq", torch.eq, "==", compare=True)
+
+    def __ne__(self, o):  # type: ignore[override]
+        return self._binary(o, "ne", torch.ne, "!=", compare=True)
+
+    __hash__ = object.__hash__
+
+    def __and__(self, o):
+        return _logical(self, o, "and")
+
+    def __rand__(self, o):
+        return _logical(self, o, "and")
+
+    def __or__(self, o):
+        return _logical(self, o, "or")
+
+    def __ror__(self, o):
+        return _logical(self, o, "or")
+
+    def __invert__(self) -> Column:
+        self._expect("bool", "~")
+        return self._like(~self.values, valid=self.valid, name=f"~{self.name}")
+
+    def between(self, low, high) -> Column:
+        """``low <= self <= high`` (SQL's BETWEEN, both ends included).
+
+        Example::
+
+            >>> from torchlevels.relational import Table
+            >>> Table({"x": [1, 5, 9]})["x"].between(2, 9).to_arrow().to_pylist()
+            [False, True, True]
+        """
+        return (self >= low) & (self <= high)
+
+    def is_null(self) -> Column:
+        """True where the value is null (never null itself)."""
+        v = torch.zeros_like(self.values, dtype=torch.bool) if self.valid is None else ~self.valid
+        return self._like(v, "bool", None, f"{self.name} IS NULL")
+
+    def fill_null(self, value) -> Column:
+        """The column with nulls replaced by ``value`` (SQL's COALESCE)."""
+        if self.valid is None:
+            return self
+        a, b = _comparable(self, _broadcast_const(self, value), "coalesce")
+        kind = "float" if "float" in (a.kind, b.kind) else a.kind
+        return a._like(torch.where(a.valid, a.values, b.values), kind, None,
+                       f"coalesce({self.name}, {value!r})", a.dictionary)
+
+    # -- strings, evaluated once per distinct string -------------------------------------
+    def isin(self, values: Iterable) -> Column:
+        """True where the value is one of ``values`` (SQL's IN).
+
+        Example::
+
+            >>> from torchlevels.relational import Table
+            >>> Table({"s": ["a", "b", "c"]})["s"].isin(["a", "c"]).to_arrow().to_pylist()
+            [True, False, True]
+        """
+        values = list(values)
+        if self.kind == "str":
+            for v in values:
+                if not isinstance(v, str):
+                    raise TypeError(f"cannot compare {self.describe()} with {_describe(v)}")
+            return self._on_dictionary(pc.is_in(self.dictionary, pa.array(values, pa.string())),
+                                       f"{self.name} IN {values!r}")
+        out = None
+        for v in values:
+            hit = self == v
+            out = hit if out is None else out | hit
+        if out is None:
+            return self._like(torch.zeros_like(self.values, dtype=torch.bool), "bool", self.valid)
+        return out
+
+    def startswith(self, prefix: str) -> Column:
+        """True where the string starts with ``prefix``."""
+        return self._string_predicate(pc.starts_with, prefix, "LIKE '{}%'")
+
+    def endswith(self, suffix: str) -> Column:
+        """True where the string ends with ``suffix``."""
+        return self._string_predicate(pc.ends_with, suffix, "LIKE '%{}'")
+
+    def contains(self, text: str) -> Column:
+        """True where the string contains ``text``."""
+        return self._string_predicate(pc.match_substring, text, "LIKE '%{}%'")
+
+    def like(self, pattern: str) -> Column:
+        """SQL LIKE: ``%`` matches any run of characters, ``_`` any one character.
+
+        Example::
+
+            >>> from torchlevels.relational import Table
+            >>> Table({"s": ["green tea", "red"]})["s"].like("%tea").to_arrow().to_pylist()
+            [True, False]
+        """
+        return self._string_predicate(pc.match_like, pattern, "LIKE '{}'")
+
+    def _string_predicate(self, fn, text: str, sql: str) -> Column:
+        self._expect("str", sql.format(text))
+        if not isinstance(text, str):
+            raise TypeError(f"cannot match {self.describe()} against {_describe(text)}")
+        return self._on_dictionary(fn(self.dictionary, text), f"{self.name} {sql.format(text)}")
+
+    def _on_dictionary(self, per_string: pa.Array, name: str) -> Column:
+        lut = torch.from_numpy(per_string.to_numpy(zero_copy_only=False).copy())
+        lut = lut.to(self.values.device)
+        return self._like(lut[self.values] if lut.numel() else torch.zeros_like(
+            self.values, dtype=torch.bool), "bool", self.valid, name)
+
+    def _expect(self, kind: str, what: str) -> None:
+        if self.kind != kind:
+            raise TypeError(f"{what} needs a {kind} column, got {self.describe()}")
+
+    # -- aggregates over a dim -----------------------------------------------------------
+    def sum(self, dim: Dim | tuple[Dim, ...] | None = None) -> Column:
+        """Sum over ``dim`` (all dims when None), skipping nulls; null where all are null."""
+        return _aggregate(self, dim, "sum")
+
+    def mean(self, dim: Dim | tuple[Dim, ...] | None = None) -> Column:
+        """Mean over ``dim`` of the non-null values."""
+        return _aggregate(self, dim, "mean")
+
+    def min(self, dim: Dim | tuple[Dim, ...] | None = None) -> Column:
+        """Smallest non-null value over ``dim``."""
+        return _aggregate(self, dim, "min")
+
+    def max(self, dim: Dim | tuple[Dim, ...] | None = None) -> Column:
+        """Largest non-null value over ``dim``."""
+        return _aggregate(self, dim, "max")
+
+    def count(self, dim: Dim | tuple[Dim, ...] | None = None) -> Column:
+        """Number of non-null values over ``dim`` (SQL's COUNT(column))."""
+        return _aggregate(self, dim, "count")
+
+    def count_distinct(self, dim: Dim | tuple[Dim, ...] | None = None) -> Column:
+        """Number of distinct non-null values over ``dim`` (COUNT(DISTINCT column))."""
+        return _aggregate(self, dim, "count_distinct")
+
+    def order(self, *dims: Dim) -> Column:
+        """The column with its dim made positional (a column of a :class:`Table`).
+
+        Example::
+
+            >>> from torchlevels.dim import dims
+            >>> from torchlevels.relational import Table
+            >>> R = dims(1)
+            >>> (Table({"x": [1, 2]})[R]["x"] * 10).order(R).to_arrow().to_pylist()
+            [10, 20]
+        """
+        if not same_dims(dims, self.dims) or len(dims) != 1:
+            raise ValueError(
+                f"order{dims!r}: {self.describe()} can be ordered by exactly its one dim "
+                f"{self.dims!r}; to list grouped rows use Rows.order(G, J)"
+            )
+        return Column(self.values, self.kind, valid=self.valid, dictionary=self.dictionary,
+                      name=self.name)
+
+
+def _name(x) -> str:
+    return x.name if isinstance(x, Column) else repr(x)
+
+
+def _true_divide(a, b):
+    a = a.double() if isinstance(a, torch.Tensor) and not a.is_floating_point() else a
+    return torch.true_divide(a, b)
+
+
+def _crosses(a: Column, b: Column) -> bool:
+    """Whether an op on ``a`` and ``b`` spans two different dims (a lazy outer product)."""
+    return bool(a.dims and b.dims and not set(a.dims) & set(b.dims))
+
+
+def _aligned(a: Column, b: Column, symbol: str) -> tuple[Column, Column]:
+    """``a`` and ``b`` over the same rows: equal dims, a scalar, or a per-group value
+    broadcast to the rows of its groups."""
+    if same_dims(a.dims, b.dims) and a.groups is b.groups:
+        if a.values.ndim and b.values.ndim and a.values.shape != b.values.shape:
+            raise ValueError(
+                f"{a.describe()} has {a.values.shape[0]} rows but {b.describe()} has "
+                f"{b.values.shape[0]}: positional columns must have the same length"
+            )
+        return a, b
+    if not a.dims and a.values.ndim == 0:
+        return _broadcast(a, b), b
+    if not b.dims and b.values.ndim == 0:
+        return a, _broadcast(b, a)
+    for x, y in ((a, b), (b, a)):
+        if y.groups is not None and same_dims(x.dims, (y.groups.G,)):
+            expanded = x.take(y.groups.gid, y.dims, y.groups)
+            return (expanded, y) if x is a else (y, expanded)
+    raise ValueError(
+        f"cannot combine {a.describe()} with {b.describe()} in '{symbol}': bind both to the "
+        "same dims (a positional column must first be bound: table[D])"
+    )
+
+
+def _broadcast(scalar: Column, like: Column) -> Column:
+    valid = None if scalar.valid is None else scalar.valid.expand_as(like.values)
+    return Column(scalar.values.expand_as(like.values), scalar.kind, dims=like.dims,
+                  valid=valid, dictionary=scalar.dictionary, groups=like.groups,
+                  name=scalar.name)
+
+
+def _broadcast_const(like: Column, value) -> Column:
+    kind = _const_kind(value)
+    if kind == "str":
+        dictionary = pa.array([value], pa.string())
+        return Column(torch.zeros_like(like.values), "str", dims=like.dims,
+                      dictionary=dictionary, groups=like.groups, name=repr(value))
+    v = date_to_days(value) if kind == "date" else value
+    return Column(torch.full_like(like.values, v, dtype=_DTYPES[kind]), kind, dims=like.dims,
+                  groups=like.groups, name=repr(value))
+
+
+_DTYPES = {"int": torch.int64, "float": torch.float64, "bool": torch.bool,
+           "date": torch.int32, "str": torch.int64}
+
+
+def _and_valid(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
+    if a is None:
+        return b
+    return a if b is None else a & b
+
+
+def _combine(a: Column, b: Column, values: torch.Tensor, kind: str, name: str) -> Column:
+    return Column(values, kind, dims=a.dims, valid=_and_valid(a.valid, b.valid),
+                  groups=a.groups, name=name)
+
+
+def _comparable(a: Column, b: Column, symbol: str) -> tuple[Column, Column]:
+    """``a`` and ``b`` with values that compare as their kinds do (strings re-coded into
+    one shared dictionary)."""
+    ok = (a.kind in _NUMERIC and b.kind in _NUMERIC) or a.kind == b.kind
+    if not ok:
+        raise TypeError(f"cannot compare {a.describe()} with {b.describe()} ('{symbol}')")
+    if a.kind != "str" or a.dictionary is b.dictionary or a.dictionary.equals(b.dictionary):
+        return a, b
+    merged, (ra, rb) = unify_dictionaries([a.dictionary, b.dictionary])
+    return (a._like(ra.to(a.values.device)[a.values], dictionary=merged),
+            b._like(rb.to(b.values.device)[b.values], dictionary=merged))
+
+
+def unify_dictionaries(dicts: list[pa.Array]) -> tuple[pa.Array, list[torch.Tensor]]:
+    """One sorted dictionary holding every string of ``dicts`` and, per input, the
+    tensor mapping its codes to codes of the merged one."""
+    merged = pc.unique(pa.concat_arrays([d.cast(pa.string()) for d in dicts]))
+    merged = merged.take(pc.array_sort_indices(merged))
+    remaps = [torch.from_numpy(pc.index_in(d.cast(pa.string()), merged).to_numpy().astype("int64"))
+              for d in dicts]
+    return merged, remaps
+
+
+def _compare_const(col: Column, value, op, fn, symbol, flip, name) -> Column:
+    kind = _const_kind(value)
+    if not ((col.kind in _NUMERIC and kind in _NUMERIC) or col.kind == kind):
+        raise TypeError(f"cannot compare {col.describe()} with {_describe(value)} ('{symbol}')")
+    if col.kind == "str":
+        arrow_op = {"lt": pc.less, "le": pc.less_equal, "gt": pc.greater,
+                    "ge": pc.greater_equal, "eq": pc.equal, "ne": pc.not_equal}[op]
+        scalar = pa.scalar(value, pa.string())
+        args = (scalar, col.dictionary) if flip else (col.dictionary, scalar)
+        return col._on_dictionary(arrow_op(*args), name)
+    c = date_to_days(value) if kind == "date" else value
+    values = fn(torch.as_tensor(c), col.values) if flip else fn(col.values, c)
+    return col._like(values, "bool", col.valid, name)
+
+
+def _logical(a, b, op: str):
+    if isinstance(b, Cross) or (isinstance(b, Column) and _crosses(a, b)):
+        return Cross(op, (a, b), "&" if op == "and" else "|")
+    if isinstance(b, bool):
+        b = _broadcast_const(a, b)
+    if not isinstance(b, Column):
+        raise TypeError(f"cannot combine {a.describe()} with {_describe(b)} using {op}")
+    a, b = _aligned(a, b, op)
+    a._expect("bool", op)
+    b._expect("bool", op)
+    name = f"({a.name} {'&' if op == 'and' else '|'} {b.name})"
+    values = a.values & b.values if op == "and" else a.values | b.values
+    if a.valid is None and b.valid is None:
+        return Column(values, "bool", dims=a.dims, groups=a.groups, name=name)
+    # SQL's three-valued logic: false AND null is false, true OR null is true.
+    va = torch.ones_like(values) if a.valid is None else a.valid
+    vb = torch.ones_like(values) if b.valid is None else b.valid
+    decided = (a.values if op == "or" else ~a.values), (b.values if op == "or" else ~b.values)
+    valid = (va & vb) | (va & decided[0]) | (vb & decided[1])
+    return Column(values, "bool", dims=a.dims, valid=valid, groups=a.groups, name=name)
+
+
+# -- aggregates --------------------------------------------------------------------------
+def _aggregate(col: Column, dim, how: str) -> Column:
+    dims = col.dims if dim is None else (tuple(dim) if isinstance(dim, tuple) else (dim,))
+    name = f"{how}({col.name})"
+    if col.kind == "str" and how in ("sum", "mean"):
+        raise TypeError(f"cannot {how} {col.describe()}")
+    if col.kind == "bool" and how in ("sum", "mean"):
+        col = col._like(col.values.long(), "int")
+    if col.groups is not None:
+        G, J = col.groups.G, col.groups.J
+        if set(dims) == {J}:
+            values, valid = reduce_groups(col, col.groups.gid, col.groups.size, how)
+            return Column(values, _agg_kind(col, how), dims=(G,), valid=valid,
+                          dictionary=col.dictionary, name=name)
+        if set(dims) != {G, J}:
+            raise ValueError(
+                f"{how}{dims!r}: {col.describe()} is grouped by {G!r} with jagged {J!r}; "
+                f"reduce over {J!r} (per group) or over ({G!r}, {J!r}) (all rows)"
+            )
+    elif set(dims) != set(col.dims) or len(dims) != len(col.dims):
+        raise ValueError(f"{how}{dims!r}: {col.describe()} can only be reduced over its dims "
+                         f"{col.dims!r}")
+    gid = torch.zeros(col.values.shape, dtype=torch.long, device=col.values.device)
+    values, valid = reduce_groups(col, gid, 1, how)
+    return Column(values[0], _agg_kind(col, how), valid=None if valid is None else valid[0],
+                  dictionary=col.dictionary, name=name)
+
+
+def _agg_kind(col: Column, how: str) -> str:
+    if how in ("count", "count_distinct"):
+        return "int"
+    if how == "mean":
+        return "float"
+    return col.kind
+
+
+def reduce_groups(col: Column, gid: torch.Tensor, k: int, how: str):
+    """``how`` of ``col``'s non-null values per group; returns (values[k], valid[k] or None)."""
+    values, valid = col.values.reshape(-1), col.valid
+    gid = gid.reshape(-1)
+    if valid is not None:
+        valid = valid.reshape(-1)
+        gid = torch.where(valid, gid, k)  # nulls go to an extra group that is dropped
+    n_valid = torch.bincount(gid, minlength=k + 1)[:k]
+    if how == "count":
+        return n_valid, None
+    if how == "count_distinct":
+        rank = torch.unique(values, return_inverse=True)[1]
+        pairs = torch.unique(gid * (int(rank.max()) + 1 if rank.numel() else 1) + rank)
+        per_group = torch.div(pairs, int(rank.max()) + 1 if rank.numel() else 1,
+                              rounding_mode="floor")
+        return torch.bincount(per_group, minlength=k + 1)[:k], None
+    empty = n_valid == 0
+    null = empty if bool(empty.any()) else None
+    if how in ("sum", "mean"):
+        if values.is_floating_point() or how == "mean":
+            total = torch.bincount(gid, weights=values.double(), minlength=k + 1)[:k]
+        else:
+            total = torch.zeros(k + 1, dtype=torch.int64, device=values.device)
+            total = total.index_add_(0, gid, values.long())[:k]
+        if how == "mean":
+            total = total / n_valid.clamp(min=1)
+        return total, None if null is None else ~null
+    reduce = "amin" if how == "min" else "amax"
+    out = torch.zeros(k + 1, dtype=values.dtype, device=values.device)
+    out = out.scatter_reduce_(0, gid, values, reduce, include_self=False)[:k]
+    return out, None if null is None else ~null
+
+
+class Cross:
+    """A lazy expression over columns bound to different dims: the outer product it
+    stands for is never made. ``where`` turns it into a join; ``at(index)`` evaluates it
+    on chosen row pairs.
+
+    Example::
+
+        >>> from torchlevels.dim import dims
+        >>> from torchlevels.relational import Table, where, cat
+        >>> a, b = Table({"k": [1, 2]}), Table({"k2": [2, 2, 3]})
+        >>> A, B = dims(2)
+        >>> AB, ab = where(a[A]["k"] == b[B]["k2"], cat(a[A], b[B]))
+        >>> AB.size
+        2
+    """
+
+    def __init__(self, op: str, args: tuple, symbol: str) -> None:
+        self.op, self.args, self.symbol = op, args, symbol
+        dims: list[Dim] = []
+        for a in args:
+            for d in getattr(a, "dims", ()):
+                if not any(d is e for e in dims):
+                    dims.append(d)
+        self.dims = tuple(dims)
+        self._where_cache = None
+
+    @property
+    def name(self) -> str:
+        return f"({_name(self.args[0])} {self.symbol} {_name(self.args[1])})"
+
+    def describe(self) -> str:
+        return f"the predicate {self.name} over {', '.join(map(repr, self.dims))}"
+
+    def __repr__(self) -> str:
+        return f"Cross({self.describe()})"
+
+    def __bool__(self) -> bool:
+        raise TypeError(f"the truth value of {self.describe()} is ambiguous: filter with where")
+
+    def __and__(self, o):
+        return Cross("and", (self, o), "&")
+
+    def __rand__(self, o):
+        return Cross("and", (o, self), "&")
+
+    def __or__(self, o):
+        return Cross("or", (self, o), "|")
+
+    def __ror__(self, o):
+        return Cross("or", (o, self), "|")
+
+    def conjuncts(self) -> list:
+        """The parts of an AND chain (one part for anything else)."""
+        if self.op != "and":
+            return [self]
+        return [p for a in self.args
+                for p in (a.conjuncts() if isinstance(a, Cross) else [a])]
+
+    def at(self, index: dict[Dim, torch.Tensor], dim: Dim) -> Column:
+        """The expression on the rows ``index[d]`` of each of its dims, over ``dim``."""
+        args = [at(a, index, dim) for a in self.args]
+        method = {"and": "__and__", "or": "__or__"}.get(self.op, f"__{self.op}__")
+        return getattr(args[0], method)(args[1])
+
+
+def at(x, index: dict[Dim, torch.Tensor], dim: Dim):
+    """``x`` (a column, cross expression or constant) on chosen rows of its dims."""
+    if isinstance(x, Cross):
+        return x.at(index, dim)
+    if isinstance(x, Column) and x.dims:
+        (d,) = x.dims
+        return x.take(index[d], (dim,))
+    return x

@@ -1,0 +1,154 @@
+"""``groupby``: group ids from the key columns, then a jagged dim inside each group.
+
+Keys of small range (dictionary codes, bools, small ints) are combined by mixed radix
+and counted with one ``bincount``; others are ranked with ``torch.unique``. Either way
+groups come sorted by key (nulls last), and reductions over the jagged dim scatter by
+group id, so rows are never reordered.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from torchlevels.dim import Dim
+from torchlevels.relational._column import Column, Grouping
+from torchlevels.relational._table import Rows, Table, _unknown
+
+DENSE_LIMIT = 1 << 20  # the most candidate groups counted without sorting
+
+
+class Grouped:
+    """Rows split by key: ``g.keys`` has one row per group (sorted by key) and ``g[G, J]``
+    binds the groups to ``G`` and the rows of each group to the jagged dim ``J``.
+
+    Example::
+
+        >>> from torchlevels.dim import dims
+        >>> from torchlevels.relational import Table, groupby
+        >>> t = Table({"k": ["b", "a", "b"], "v": [1.0, 2.0, 4.0]})
+        >>> g = groupby(t, "k")
+        >>> G, J = dims(2)
+        >>> r = g[G, J]
+        >>> g.keys["k"].to_arrow().to_pylist(), r["v"].sum(J).order(G).to_arrow().to_pylist()
+        (['a', 'b'], [2.0, 5.0])
+    """
+
+    def __init__(self, rows: Rows, gid: torch.Tensor, size: int, first: torch.Tensor,
+                 key_names: list[str]) -> None:
+        self._rows, self._gid, self.size, self._first = rows, gid, size, first
+        self.key_names = key_names
+
+    @property
+    def keys(self) -> Table:
+        """One row per group with its key values, in the order of the group dim."""
+        return Table({k: self._rows[k].take(self._first) for k in self.key_names})
+
+    @property
+    def sizes(self) -> torch.Tensor:
+        """The number of rows in each group."""
+        return torch.bincount(self._gid, minlength=self.size)
+
+    def __getitem__(self, dims) -> Rows:
+        if not (isinstance(dims, tuple) and len(dims) == 2
+                and all(isinstance(d, Dim) for d in dims)):
+            raise TypeError(f"bind grouped rows with two dims, g[G, J], not g[{dims!r}]")
+        G, J = dims
+        G.size = self.size
+        grouping = Grouping(self._gid, self.size, G, J)
+        columns = {name: _regroup(self._rows, name, grouping)
+                   for name in self._rows.column_names}
+        return Rows(columns, (G, J), grouping)
+
+    def __repr__(self) -> str:
+        return f"Grouped({self.size} groups by {self.key_names})"
+
+
+def _regroup(rows: Rows, name: str, grouping: Grouping):
+    def bind() -> Column:
+        c = rows[name]
+        return Column(c.values, c.kind, dims=(grouping.G, grouping.J), valid=c.valid,
+                      dictionary=c.dictionary, groups=grouping, name=name)
+    return bind
+
+
+def groupby(source: Table | Rows, keys: str | Sequence[str]) -> Grouped:
+    """Group a table's rows (or filtered rows over one dim) by the values of ``keys``.
+
+    Example::
+
+        >>> from torchlevels.relational import Table, groupby
+        >>> groupby(Table({"a": [1, 1, 2], "b": [True, False, True]}), ["a", "b"]).size
+        3
+    """
+    keys = [keys] if isinstance(keys, str) else list(keys)
+    if not keys:
+        raise ValueError("groupby needs at least one key column")
+    if isinstance(source, Table):
+        D = Dim("rows", source.num_rows)
+        rows = source[D]
+    elif isinstance(source, Rows):
+        if source.groups is not None or len(source.dims) != 1:
+            raise ValueError(f"groupby: group rows over one dim, got rows over "
+                             f"{source.dims!r}")
+        rows = source
+    else:
+        raise TypeError(f"groupby takes a Table or Rows, got {source!r}")
+    for k in keys:
+        if k not in rows.column_names:
+            raise _unknown(k, rows.column_names, "the grouped rows")
+    gid, size = group_ids([rows[k] for k in keys])
+    n = gid.shape[0]
+    first = torch.full((size,), n, dtype=torch.long).scatter_reduce_(
+        0, gid, torch.arange(n), "amin")
+    return Grouped(rows, gid, size, first, keys)
+
+
+def group_ids(keys: list[Column]) -> tuple[torch.Tensor, int]:
+    """Each row's group number (groups sorted by key, nulls last) and the group count."""
+    codes, ranges = zip(*(_codes(k) for k in keys))
+    total = 1
+    for r in ranges:
+        total *= r
+    combined = torch.zeros_like(codes[0])
+    if total <= max(DENSE_LIMIT, 2 * codes[0].shape[0]):
+        for c, r in zip(codes, ranges):
+            combined = combined * r + c
+        present = torch.bincount(combined, minlength=total) > 0
+        remap = torch.cumsum(present, 0) - 1
+        return remap[combined], int(present.sum())
+    ranked = [torch.unique(c, return_inverse=True) for c in codes]
+    sizes = [u.shape[0] for u, _ in ranked]
+    product = 1
+    for s in sizes:
+        product *= s
+    if product < 2 ** 62:
+        for (_, inv), s in zip(ranked, sizes):
+            combined = combined * s + inv
+        uniq, gid = torch.unique(combined, return_inverse=True)
+        return gid, uniq.shape[0]
+    uniq, gid = torch.unique(torch.stack([inv for _, inv in ranked], 1), dim=0,
+                             return_inverse=True)
+    return gid, uniq.shape[0]
+
+
+def _codes(key: Column) -> tuple[torch.Tensor, int]:
+    """Key values as non-negative int64 codes that sort like the values, and their range
+    (nulls get the largest code)."""
+    v = key.values
+    if key.kind == "str":
+        codes, r = v, len(key.dictionary)
+    elif key.kind == "bool":
+        codes, r = v.long(), 2
+    elif key.kind == "float":
+        uniq, codes = torch.unique(v, return_inverse=True)
+        r = uniq.shape[0]
+    else:
+        lo = int(v.min()) if v.numel() else 0
+        codes = v.long() - lo
+        r = (int(v.max()) - lo + 1) if v.numel() else 1
+    if key.valid is not None:
+        codes = torch.where(key.valid, codes, r)
+        r += 1
+    return codes, max(r, 1)
