@@ -149,7 +149,9 @@ class Column:
             "&, |, ~ (not and/or/not) and filter with where(mask, rows)"
         )
 
-    def _like(self, values, kind=None, valid=None, name=None, dictionary=None) -> Column:
+    def _like(self, values, kind=None, valid=..., name=None, dictionary=None) -> Column:
+        """A column over the same rows (same nulls unless ``valid`` is given)."""
+        valid = self.valid if valid is ... else valid
         kind = kind or self.kind
         if kind == "str" and dictionary is None:
             dictionary = self.dictionary
@@ -201,10 +203,9 @@ class Column:
     def to_arrow(self) -> pa.Array:
         """The values as an arrow array (strings decoded, dates as date32, nulls as null)."""
         values = self.values.reshape(-1).cpu()
-        mask = None if self.valid is None else pa.array((~self.valid.reshape(-1)).cpu().numpy())
+        mask = None if self.valid is None else (~self.valid.reshape(-1)).cpu().numpy()
         if self.kind == "str":
-            arr = pc.take(self.dictionary, pa.array(values.numpy()))
-            return arr if mask is None else pc.if_else(mask, pa.nulls(len(arr), arr.type), arr)
+            return pc.take(self.dictionary, pa.array(values.numpy(), mask=mask))
         np_values = values.numpy()
         if self.kind == "date":
             return pa.array(np_values.astype("int32"), type=pa.int32(), mask=mask).cast(
@@ -484,7 +485,7 @@ def _broadcast_const(like: Column, value) -> Column:
     kind = _const_kind(value)
     if kind == "str":
         dictionary = pa.array([value], pa.string())
-        return Column(torch.zeros_like(like.values), "str", dims=like.dims,
+        return Column(torch.zeros_like(like.values, dtype=torch.int64), "str", dims=like.dims,
                       dictionary=dictionary, groups=like.groups, name=repr(value))
     v = date_to_days(value) if kind == "date" else value
     return Column(torch.full_like(like.values, v, dtype=_DTYPES[kind]), kind, dims=like.dims,
@@ -673,6 +674,14 @@ class Cross:
 
     def __bool__(self) -> bool:
         raise TypeError(f"the truth value of {self.describe()} is ambiguous: filter with where")
+
+    def __getattr__(self, name: str):
+        if name.startswith("_") or not hasattr(Column, name):
+            raise AttributeError(name)
+        raise ValueError(
+            f"{self.describe()} is an outer product of rows of different dims, which is never "
+            f"made: filter it with where(condition, cat(...)) (a join) before .{name}()"
+        )
 
     def __and__(self, o):
         return Cross("and", (self, o), "&")

@@ -57,13 +57,15 @@ class Table:
         return cls.from_arrow(pq.read_table(path, columns=columns))
 
     @classmethod
-    def read_csv(cls, path: str, **options) -> Table:
-        """Read a CSV file; ``options`` go to ``pyarrow.csv.ReadOptions``/``ConvertOptions``
-        by name (``delimiter=`` goes to the parse options)."""
+    def read_csv(cls, path: str, delimiter: str = ",", **convert_options) -> Table:
+        """Read a CSV file with a header row; empty fields are nulls. ``convert_options``
+        go to ``pyarrow.csv.ConvertOptions`` (``column_types=``, ``null_values=``, ...)."""
         from pyarrow import csv
 
-        parse = csv.ParseOptions(delimiter=options.pop("delimiter", ","))
-        return cls.from_arrow(csv.read_csv(path, parse_options=parse))
+        convert_options.setdefault("strings_can_be_null", True)
+        return cls.from_arrow(csv.read_csv(
+            path, parse_options=csv.ParseOptions(delimiter=delimiter),
+            convert_options=csv.ConvertOptions(**convert_options)))
 
     @classmethod
     def from_pandas(cls, df) -> Table:
@@ -140,8 +142,12 @@ class Table:
         return pa.table({name: c.to_arrow() for name, c in self._columns.items()})
 
     def to_pandas(self):
-        """The table as a pandas DataFrame."""
-        return self.to_arrow().to_pandas()
+        """The table as a pandas DataFrame (ints and bools with nulls as pandas' nullable
+        Int64 and boolean)."""
+        import pandas as pd
+
+        nullable = {pa.int64(): pd.Int64Dtype(), pa.bool_(): pd.BooleanDtype()}
+        return self.to_arrow().to_pandas(types_mapper=nullable.get)
 
     def __repr__(self) -> str:
         shown = self.head(10).to_pandas().to_string(index=False)

@@ -147,33 +147,31 @@ def _join(condition: Cross, rows, keep: Dim | None, name: str):
 
 def _join_pairs(condition: Cross, A: Dim, B: Dim) -> tuple[torch.Tensor, torch.Tensor]:
     """Row pairs ``(ia, ib)`` of dims ``A`` and ``B`` where ``condition`` is true."""
-    ia, ib = torch.arange(A.size), torch.arange(B.size)
+    masks: dict[Dim, torch.Tensor] = {}
     equal, rest = None, []
     for part in condition.conjuncts():
         if isinstance(part, Column) and len(part.dims) == 1 and part.dims[0] in {A, B}:
-            keep_rows = part.values if part.valid is None else part.values & part.valid
-            if part.dims[0] is A:
-                ia = ia[keep_rows[ia]]
-            else:
-                ib = ib[keep_rows[ib]]
+            m = part.values if part.valid is None else part.values & part.valid
+            d = part.dims[0]
+            masks[d] = m if d not in masks else masks[d] & m
         elif equal is None and _is_equality(part):
             equal = part
         else:
             rest.append(part)
+    ia, ib = (torch.nonzero(masks[d]).squeeze(1) if d in masks else torch.arange(d.size)
+              for d in (A, B))
     if equal is not None:
         ka, kb = equal.args if equal.args[0].dims[0] is A else equal.args[::-1]
         ia, ib = _equi_join(ka, kb, ia, ib)
         return _filter_pairs(rest, A, B, ia, ib)
     block = max(1, BLOCK_ELEMENTS // max(1, ib.shape[0]))
-    out_a, out_b = [], []
+    out_a, out_b = [ia[:0]], [ib[:0]]
     for start in range(0, ia.shape[0], block):
         pa_ = ia[start:start + block].repeat_interleave(ib.shape[0])
         pb_ = ib.repeat(min(block, ia.shape[0] - start))
         pa_, pb_ = _filter_pairs(rest, A, B, pa_, pb_)
         out_a.append(pa_)
         out_b.append(pb_)
-    if not out_a:
-        return ia[:0], ib[:0]
     return torch.cat(out_a), torch.cat(out_b)
 
 
@@ -200,10 +198,11 @@ def _filter_pairs(parts, A: Dim, B: Dim, ia: torch.Tensor, ib: torch.Tensor):
 
 
 def _equi_join(ka: Column, kb: Column, ia: torch.Tensor, ib: torch.Tensor):
-    """Pairs of rows ``ia[x]``, ``ib[y]`` with equal non-null keys: a sort-merge join that
-    sorts the smaller side and binary-searches it with the larger one."""
+    """Pairs of rows ``ia[x]``, ``ib[y]`` with equal non-null keys. The smaller side is
+    the build side: integer keys of small range are looked up in a table indexed by key
+    (counting sort); others are sorted and binary-searched (sort-merge)."""
     ka, kb = _comparable(ka, kb, "==")
-    va, vb = ka.values[ia], kb.values[ib]
+    va, vb = _keys(ka, ia), _keys(kb, ib)
     if va.dtype != vb.dtype:
         dtype = torch.promote_types(va.dtype, vb.dtype)
         va, vb = va.to(dtype), vb.to(dtype)
@@ -216,16 +215,44 @@ def _equi_join(ka: Column, kb: Column, ia: torch.Tensor, ib: torch.Tensor):
     swap = va.shape[0] < vb.shape[0]
     (probe, probe_rows), (build, build_rows) = ((vb, ib), (va, ia)) if swap else (
         (va, ia), (vb, ib))
-    build_sorted, order = torch.sort(build, stable=True)
-    lo = torch.searchsorted(build_sorted, probe, right=False)
-    hi = torch.searchsorted(build_sorted, probe, right=True)
-    counts = hi - lo
-    probe_pos = torch.repeat_interleave(torch.arange(probe.shape[0]), counts)
-    starts = torch.cumsum(counts, 0) - counts
-    within = torch.arange(probe_pos.shape[0]) - starts[probe_pos]
-    build_pos = order[lo[probe_pos] + within]
+    if probe.numel() == 0 or build.numel() == 0:
+        return ia[:0], ib[:0]
+    start, count, order = _build(build, probe)
+    unique = bool(count.max() <= 1) if count.numel() else True
+    if unique:  # each probe row matches at most one build row (a key of the build side)
+        probe_pos = torch.nonzero(count).squeeze(1)
+        build_pos = order[start[probe_pos]]
+    else:
+        probe_pos = torch.repeat_interleave(torch.arange(probe.shape[0]), count)
+        offsets = torch.cumsum(count, 0) - count
+        within = torch.arange(probe_pos.shape[0]) - offsets[probe_pos]
+        build_pos = order[start[probe_pos] + within]
     out_probe, out_build = probe_rows[probe_pos], build_rows[build_pos]
     return (out_build, out_probe) if swap else (out_probe, out_build)
+
+
+def _keys(col: Column, rows: torch.Tensor) -> torch.Tensor:
+    v = col.values
+    return v if rows.shape[0] == v.shape[0] else v[rows]
+
+
+def _build(build: torch.Tensor, probe: torch.Tensor):
+    """For each probe key: where its matches start in ``order`` (the build rows sorted
+    by key), and how many there are."""
+    if not build.is_floating_point():
+        lo = int(torch.minimum(build.min(), probe.min()))
+        span = int(torch.maximum(build.max(), probe.max())) - lo + 1
+        if span <= 4 * (build.shape[0] + probe.shape[0]) + 1024:
+            b = build - lo
+            per_key = torch.bincount(b, minlength=span)
+            key_start = torch.cumsum(per_key, 0) - per_key
+            order = torch.argsort(b, stable=True)
+            p = probe - lo
+            return key_start[p], per_key[p], order
+    build_sorted, order = torch.sort(build, stable=True)
+    start = torch.searchsorted(build_sorted, probe, right=False)
+    end = torch.searchsorted(build_sorted, probe, right=True)
+    return start, end - start, order
 
 
 def _keep_unmatched(ia, ib, keep_a: bool, n: int):

@@ -1,0 +1,340 @@
+"""torchlevels.relational against DuckDB on small tables with nulls, strings and dates."""
+
+from datetime import date
+
+import duckdb
+import pyarrow as pa
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from pyarrow import csv
+
+from tests.relational_reference import assert_same_rows, duck_rows, our_rows
+from torchlevels.dim import DimensionBindError, dims
+from torchlevels.relational import Table, cat, groupby, where
+from torchlevels.relational import _where as where_module
+
+PEOPLE = pa.table({
+    "id": pa.array([1, 2, 3, 4, 5, 6], pa.int64()),
+    "name": pa.array(["ann", "bob", None, "dee", "al", "bob"]),
+    "age": pa.array([31, None, 45, 17, 31, None], pa.int64()),
+    "score": pa.array([1.5, 2.5, None, -1.0, 4.0, 0.5]),
+    "ok": pa.array([True, None, False, True, None, False]),
+    "born": pa.array([date(1990, 1, 2), date(2001, 5, 6), None, date(2007, 3, 1),
+                      date(1990, 1, 2), date(1985, 12, 31)]),
+})
+ORDERS = pa.table({
+    "oid": pa.array([10, 11, 12, 13, 14, 15, 16], pa.int64()),
+    "pid": pa.array([1, 1, 2, None, 9, 6, 6], pa.int64()),
+    "who": pa.array(["ann", "ann", "bob", "cy", None, "bob", "zed"]),
+    "amount": pa.array([5.0, 7.5, None, 1.0, 2.0, 3.0, 4.0]),
+})
+
+
+@pytest.fixture(scope="module")
+def con():
+    c = duckdb.connect()
+    c.register("people", PEOPLE)
+    c.register("orders", ORDERS)
+    return c
+
+
+@pytest.fixture
+def people():
+    return Table.from_arrow(PEOPLE)
+
+
+@pytest.fixture
+def orders():
+    return Table.from_arrow(ORDERS)
+
+
+def column(x) -> list:
+    return x.to_arrow().to_pylist()
+
+
+# -- filters, SQL's three-valued logic and CASE WHEN ----------------------------------
+@pytest.mark.parametrize("predicate, sql", [
+    (lambda p: p["age"] > 20, "age > 20"),
+    (lambda p: (p["age"] > 20) | (p["score"] < 1), "age > 20 or score < 1"),
+    (lambda p: (p["age"] > 20) & ~(p["score"] < 1), "age > 20 and not (score < 1)"),
+    (lambda p: p["ok"] | (p["age"] == 31), "ok or age = 31"),
+    (lambda p: p["ok"] & (p["age"] != 31), "ok and age <> 31"),
+    (lambda p: p["born"] < date(2000, 1, 1), "born < date '2000-01-01'"),
+    (lambda p: p["name"] == "bob", "name = 'bob'"),
+    (lambda p: p["name"] >= "b", "name >= 'b'"),
+    (lambda p: p["name"].isin(["al", "dee", "x"]), "name in ('al', 'dee', 'x')"),
+    (lambda p: p["name"].startswith("a"), "starts_with(name, 'a')"),
+    (lambda p: p["name"].endswith("e"), "ends_with(name, 'e')"),
+    (lambda p: p["name"].contains("o"), "contains(name, 'o')"),
+    (lambda p: p["name"].like("_o%"), "name like '_o%'"),
+    (lambda p: p["age"].between(18, 40), "age between 18 and 40"),
+    (lambda p: p["score"].is_null(), "score is null"),
+    (lambda p: p["age"] * 2 + 1 > p["id"] * 10, "age * 2 + 1 > id * 10"),
+    (lambda p: p["age"] / 2 > 15.5, "age / 2 > 15.5"),
+])
+def test_filter_matches_duckdb(con, people, predicate, sql):
+    P = dims(1)
+    p = people[P]
+    P2, f = where(predicate(p), p)
+    assert_same_rows(our_rows(f.order(P2)), duck_rows(con, f"select * from people where {sql}"))
+
+
+def test_boolean_results_keep_nulls(con, people):
+    P = dims(1)
+    p = people[P]
+    for ours, sql in [((p["age"] > 20) | (p["score"] < 1), "age > 20 or score < 1"),
+                      ((p["age"] > 20) & (p["score"] < 1), "age > 20 and score < 1"),
+                      (~(p["age"] > 20), "not (age > 20)"),
+                      (p["age"] + p["score"], "age + score")]:
+        assert column(ours.order(P)) == [r[0] for r in duck_rows(con, f"select {sql} from people")]
+
+
+def test_case_when(con, people):
+    P = dims(1)
+    p = people[P]
+    case = where(p["age"] > 30, p["score"], 0.0)
+    theirs = duck_rows(con, "select case when age > 30 then score else 0.0 end from people")
+    assert column(case.order(P)) == [r[0] for r in theirs]
+    label = where(p["ok"], "yes", p["name"])
+    theirs = duck_rows(con, "select case when ok then 'yes' else name end from people")
+    assert column(label.order(P)) == [r[0] for r in theirs]
+
+
+def test_the_same_mask_gives_the_same_dim(people):
+    P = dims(1)
+    p = people[P]
+    m = p["age"] > 20
+    D1, a = where(m, p)
+    D2, b = where(m, p[["name"]])
+    D3, _ = where(p["age"] > 20, p)
+    assert D1 is D2 and D1 is not D3 and repr(D1) == "D1"
+    assert column(a["name"].order(D1)) == column(b["name"].order(D2))
+
+
+# -- aggregates ------------------------------------------------------------------------
+@pytest.mark.parametrize("how, sql", [
+    ("sum", "sum"), ("mean", "avg"), ("min", "min"), ("max", "max"), ("count", "count"),
+    ("count_distinct", "count(distinct"),
+])
+@pytest.mark.parametrize("col", ["age", "score", "name", "born"])
+def test_aggregates_match_duckdb(con, people, how, sql, col):
+    if col in ("name", "born") and how in ("sum", "mean"):
+        return
+    P = dims(1)
+    p = people[P]
+    call = f"{sql}({col})" if sql != "count(distinct" else f"count(distinct {col})"
+    (expected,), = duck_rows(con, f"select {call} from people")
+    assert assert_scalar(getattr(p[col], how)(P).item(), expected)
+    grouped = duck_rows(con, f"select {call} from people group by name order by name nulls last")
+    g = groupby(people, "name")
+    G, J = dims(2)
+    ours = getattr(g[G, J][col], how)(J).order(G)
+    assert_same_rows([(v,) for v in column(ours)], grouped)
+
+
+def assert_scalar(ours, theirs) -> bool:
+    assert_same_rows([(ours,)], [(theirs,)])
+    return True
+
+
+def test_groupby_several_keys_with_nulls_sorted_like_duckdb(con, people):
+    g = groupby(people, ["ok", "name"])
+    G, J = dims(2)
+    r = g[G, J]
+    out = Table({**g.keys.columns, "n": r.count(J).order(G), "s": r["score"].sum(J).order(G),
+                 "top": r["age"].max(J).order(G)})
+    theirs = duck_rows(con, "select ok, name, count(*), sum(score), max(age) from people "
+                       "group by ok, name order by ok nulls last, name nulls last")
+    assert_same_rows(our_rows(out), theirs)
+
+
+def test_group_values_broadcast_back_to_their_rows(con, people):
+    g = groupby(people, "name")
+    G, J = dims(2)
+    r = g[G, J]
+    share = r["score"] / r["score"].sum(J)
+    in_group_order = share.take(torch.argsort(share.groups.gid, stable=True))
+    theirs = duck_rows(con, "select id, score / sum(score) over (partition by name) "
+                       "from people order by name nulls last, id")
+    ids = r.order(G, J)["id"]
+    assert_same_rows(list(zip(column(ids), column(in_group_order))), theirs)
+
+
+def test_sort_matches_duckdb(con, people):
+    ours = people.sort(["name", "age"], descending=[True, False])
+    theirs = duck_rows(con, "select * from people order by name desc nulls last, "
+                       "age asc nulls last")
+    assert_same_rows(our_rows(ours), theirs)
+    assert_same_rows(our_rows(people.sort("score").head(3)),
+                     duck_rows(con, "select * from people order by score nulls last limit 3"))
+
+
+# -- joins -----------------------------------------------------------------------------
+def test_inner_join_many_to_many_with_null_keys(con, people, orders):
+    P, O = dims(2)
+    p, o = people[P], orders[O]
+    PO, po = where(p["name"] == o["who"], cat(p[["id", "name"]], o[["oid", "amount"]]))
+    theirs = duck_rows(con, "select id, name, oid, amount from people join orders "
+                       "on name = who")
+    assert_same_rows(our_rows(po.order(PO)), theirs, ordered=False)
+
+
+def test_join_with_filters_and_a_residual(con, people, orders):
+    P, O = dims(2)
+    p, o = people[P], orders[O]
+    cond = ((o["pid"] == p["id"]) & (o["amount"] > 2) & (p["age"] > 18)
+            & (o["amount"] < p["score"] * 10))
+    PO, po = where(cond, cat(o[["oid"]], p[["name"]]))
+    theirs = duck_rows(con, "select oid, name from orders join people on pid = id "
+                       "and amount > 2 and age > 18 and amount < score * 10")
+    assert_same_rows(our_rows(po.order(PO)), theirs, ordered=False)
+
+
+def test_left_join_keeps_unmatched_rows(con, people, orders):
+    P, O = dims(2)
+    p, o = people[P], orders[O]
+    OP, op = where(o["pid"] == p["id"], cat(o[["oid", "amount"]], p[["name", "age"]]), keep=O)
+    theirs = duck_rows(con, "select oid, amount, name, age from orders left join people "
+                       "on pid = id")
+    assert_same_rows(our_rows(op.order(OP)), theirs, ordered=False)
+    PO, po = where(o["pid"] == p["id"], cat(p[["id"]], o[["oid"]]), keep=P)
+    theirs = duck_rows(con, "select id, oid from people left join orders on pid = id")
+    assert_same_rows(our_rows(po.order(PO)), theirs, ordered=False)
+
+
+@pytest.mark.parametrize("block", [1, 5, 1 << 22])
+def test_join_without_equality_runs_in_blocks(con, people, orders, monkeypatch, block):
+    monkeypatch.setattr(where_module, "BLOCK_ELEMENTS", block)
+    seen = []
+    filter_pairs = where_module._filter_pairs
+    monkeypatch.setattr(where_module, "_filter_pairs",
+                        lambda parts, A, B, ia, ib: seen.append(ia.shape[0]) or
+                        filter_pairs(parts, A, B, ia, ib))
+    P, O = dims(2)
+    p, o = people[P], orders[O]
+    PO, po = where((o["amount"] < p["score"]) | (o["who"] == p["name"]),
+                   cat(p[["id"]], o[["oid"]]))
+    theirs = duck_rows(con, "select id, oid from people join orders "
+                       "on amount < score or who = name")
+    assert_same_rows(our_rows(po.order(PO)), theirs, ordered=False)
+    assert max(seen) <= max(block, len(orders))
+
+
+def test_join_does_not_make_the_outer_product():
+    n = 300_000  # the outer product would hold 9e10 pairs
+    a = Table({"k": torch.arange(n), "x": torch.rand(n)})
+    b = Table({"k2": torch.arange(n).flip(0) * 2, "y": torch.rand(n)})
+    A, B = dims(2)
+    AB, ab = where(a[A]["k"] == b[B]["k2"], cat(a[A], b[B]))
+    assert AB.size == n // 2
+    assert bool((ab["k"].values == ab["k2"].values).all())
+
+
+def test_join_of_float_and_int_keys_and_sort_merge_path(con):
+    a = pa.table({"k": pa.array([1.0, 2.5, 3.0, None]), "u": pa.array([1, 2, 3, 4])})
+    b = pa.table({"j": pa.array([3, 1, 1, 10 ** 12], pa.int64()), "v": pa.array([7, 8, 9, 10])})
+    con.register("a", a)
+    con.register("b", b)
+    A, B = dims(2)
+    ta, tb = Table.from_arrow(a)[A], Table.from_arrow(b)[B]
+    AB, ab = where(ta["k"] == tb["j"], cat(ta, tb))
+    assert_same_rows(our_rows(ab.order(AB)), duck_rows(con, "select * from a join b on k = j"),
+                     ordered=False)
+
+
+# -- tables ----------------------------------------------------------------------------
+def test_round_trips(tmp_path, people):
+    df = people.to_pandas()
+    assert our_rows(Table.from_pandas(df)) == our_rows(people)
+    path = tmp_path / "people.csv"
+    csv.write_csv(PEOPLE, str(path))
+    assert our_rows(Table.read_csv(str(path))) == our_rows(people)
+    assert people.to_arrow().equals(PEOPLE.cast(people.to_arrow().schema))
+    assert "6 rows x 6 columns" in repr(people)
+
+
+def test_positional_columns_and_scalars(people):
+    t = Table({"x": torch.tensor([1.0, 2.0]), "y": [3, 4], "s": people["name"].take(
+        torch.tensor([0, 1]))})
+    X = dims(1)
+    r = t[X]
+    assert (r["x"] * r["y"]).sum(X).item() == 11.0
+    assert r.count(X).item() == 2 and len(t) == 2 and t.column_names == ["x", "y", "s"]
+
+
+# -- errors ----------------------------------------------------------------------------
+def test_unknown_column_lists_the_available_ones(people):
+    P = dims(1)
+    with pytest.raises(KeyError, match=r"'nme'.*\['id', 'name', 'age'"):
+        people[P]["nme"]
+    with pytest.raises(KeyError, match="available columns"):
+        people["nope"]
+    with pytest.raises(KeyError, match="available columns"):
+        groupby(people, ["nope"])
+
+
+def test_comparing_a_string_with_a_number_names_both(people):
+    P = dims(1)
+    p = people[P]
+    with pytest.raises(TypeError, match=r"column 'name' \(str over P\).*5 \(int\)"):
+        _ = p["name"] == 5
+    with pytest.raises(TypeError, match=r"column 'name' \(str.*column 'age' \(int"):
+        _ = p["name"] < p["age"]
+    with pytest.raises(TypeError, match="date"):
+        _ = p["born"] < 3
+
+
+def test_binding_a_dim_of_another_size(people, orders):
+    P = dims(1)
+    people[P]
+    with pytest.raises(DimensionBindError, match="size 6 cannot bind to a dimension of size 7"):
+        orders[P]
+
+
+def test_outer_products_and_ambiguous_truth_values_are_errors(people, orders):
+    P, O = dims(2)
+    p, o = people[P], orders[O]
+    cross = o["amount"] * p["score"]
+    with pytest.raises(ValueError, match="outer product.*where"):
+        cross.sum(P)
+    with pytest.raises(TypeError, match="ambiguous"):
+        bool(p["age"] > 3)
+    with pytest.raises(ValueError, match="same dims"):
+        p["age"] + people["age"]
+    with pytest.raises(ValueError, match="exactly two dims"):
+        Q = dims(1)
+        q = people[Q]
+        where((p["id"] == o["pid"]) & (q["id"] == o["pid"]), o)
+
+
+# -- a property test: random filters and grouped aggregates against DuckDB ------------
+_values = st.one_of(st.none(), st.integers(-3, 3))
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.lists(st.tuples(_values, _values, st.sampled_from(["a", "b", None])),
+                     min_size=1, max_size=12),
+       threshold=st.integers(-3, 3))
+def test_random_filter_groupby_matches_duckdb(rows, threshold):
+    x, y, k = zip(*rows)
+    arrow = pa.table({"x": pa.array(x, pa.int64()), "y": pa.array(y, pa.int64()),
+                      "k": pa.array(k, pa.string())})
+    c = duckdb.connect()
+    c.register("t", arrow)
+    T = dims(1)
+    t = Table.from_arrow(arrow)[T]
+    T2, f = where((t["x"] >= threshold) | (t["y"] < 0), t)
+    if T2.size == 0:
+        return
+    g = groupby(f, "k")
+    G, J = dims(2)
+    r = g[G, J]
+    out = Table({**g.keys.columns, "n": r.count(J).order(G), "sx": r["x"].sum(J).order(G),
+                 "my": r["y"].min(J).order(G), "ay": r["y"].mean(J).order(G),
+                 "d": r["x"].count_distinct(J).order(G)})
+    theirs = duck_rows(c, f"select k, count(*), sum(x), min(y), avg(y), count(distinct x) "
+                       f"from t where x >= {threshold} or y < 0 group by k "
+                       "order by k nulls last")
+    assert_same_rows(our_rows(out), theirs)
