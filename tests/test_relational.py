@@ -338,3 +338,29 @@ def test_random_filter_groupby_matches_duckdb(rows, threshold):
                        f"from t where x >= {threshold} or y < 0 group by k "
                        "order by k nulls last")
     assert_same_rows(our_rows(out), theirs)
+
+
+@pytest.mark.parametrize("name", ["", "._column", "._table", "._where", "._groupby"])
+def test_docstring_examples(name):
+    import doctest
+    import importlib
+
+    module = importlib.import_module(f"torchlevels.relational{name}")
+    result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
+    assert result.failed == 0 and result.attempted > 0
+
+
+def test_grouping_filtered_rows_leaves_the_others_out(con, people):
+    P = dims(1)
+    p = people[P]
+    P2, f = where(p["age"] > 20, p)
+    g = groupby(f, "name")
+    G, J = dims(2)
+    r = g[G, J]
+    theirs = duck_rows(con, "select * from people where age > 20 order by name nulls last, id")
+    assert_same_rows(our_rows(r.order(G, J)), theirs)
+    (total, n), = duck_rows(con, "select sum(score), count(*) from people where age > 20")
+    assert r["score"].sum((G, J)).item() == pytest.approx(total)
+    assert r.count((G, J)).item() == n == P2.size
+    assert column(g.keys["name"]) == [row[0] for row in duck_rows(
+        con, "select distinct name from people where age > 20 order by name nulls last")]

@@ -32,13 +32,15 @@ _NUMERIC = ("int", "float", "bool")
 
 @dataclass(frozen=True, eq=False)
 class Grouping:
-    """Rows split into groups: ``gid[row]`` in ``0 .. size - 1``; ``G`` numbers the
-    groups and the jagged ``J`` the rows inside one."""
+    """Rows split into groups: ``gid[row]`` in ``0 .. size - 1`` (``size`` for a row left
+    out by a filter); ``G`` numbers the groups and the jagged ``J`` the rows inside one;
+    ``sizes`` counts the rows of each group."""
 
     gid: torch.Tensor
     size: int
     G: Dim
     J: Dim
+    sizes: torch.Tensor
 
 
 def same_dims(a: tuple[Dim, ...], b: tuple[Dim, ...]) -> bool:
@@ -575,24 +577,48 @@ def _aggregate(col: Column, dim, how: str) -> Column:
         raise TypeError(f"cannot {how} {col.describe()}")
     if col.kind == "bool" and how in ("sum", "mean"):
         col = col._like(col.values.long(), "int")
-    if col.groups is not None:
-        G, J = col.groups.G, col.groups.J
-        if set(dims) == {J}:
-            values, valid = reduce_groups(col, col.groups.gid, col.groups.size, how)
-            return Column(values, _agg_kind(col, how), dims=(G,), valid=valid,
-                          dictionary=col.dictionary, name=name)
-        if set(dims) != {G, J}:
-            raise ValueError(
-                f"{how}{dims!r}: {col.describe()} is grouped by {G!r} with jagged {J!r}; "
-                f"reduce over {J!r} (per group) or over ({G!r}, {J!r}) (all rows)"
-            )
-    elif set(dims) != set(col.dims) or len(dims) != len(col.dims):
+    kind = _agg_kind(col, how)
+    groups = col.groups
+    if groups is not None and set(dims) == {groups.J}:
+        values, valid = reduce_groups(col, groups.gid, groups.size, how, groups.sizes)
+        return Column(values, kind, dims=(groups.G,), valid=valid, dictionary=col.dictionary,
+                      name=name)
+    if groups is not None and set(dims) != {groups.G, groups.J}:
+        raise ValueError(
+            f"{how}{dims!r}: {col.describe()} is grouped by {groups.G!r} with jagged "
+            f"{groups.J!r}; reduce over {groups.J!r} (per group) or over both (all rows)"
+        )
+    if groups is None and (set(dims) != set(col.dims) or len(dims) != len(col.dims)):
         raise ValueError(f"{how}{dims!r}: {col.describe()} can only be reduced over its dims "
                          f"{col.dims!r}")
-    gid = torch.zeros(col.values.shape, dtype=torch.long, device=col.values.device)
-    values, valid = reduce_groups(col, gid, 1, how)
-    return Column(values[0], _agg_kind(col, how), valid=None if valid is None else valid[0],
-                  dictionary=col.dictionary, name=name)
+    values, valid = col.values.reshape(-1), col.valid
+    if groups is not None and groups.sizes.sum() < values.shape[0]:  # rows a filter left out
+        kept = groups.gid < groups.size
+        valid = kept if valid is None else valid & kept
+    value, is_valid = reduce_all(values, valid, how)
+    return Column(value, kind, valid=is_valid, dictionary=col.dictionary, name=name)
+
+
+def reduce_all(values: torch.Tensor, valid: torch.Tensor | None, how: str):
+    """``how`` of the non-null ``values``: (a 0-d value, a 0-d valid flag or None)."""
+    if valid is not None:
+        count = valid.sum()
+    else:
+        count = torch.tensor(values.shape[0], device=values.device)
+    if how == "count":
+        return count, None
+    if how == "count_distinct":
+        kept = values if valid is None else values[valid]
+        return torch.tensor(torch.unique(kept).shape[0], device=values.device), None
+    null = None if int(count) > 0 else torch.tensor(False, device=values.device)
+    if how in ("sum", "mean"):
+        v = values.double() if how == "mean" or values.is_floating_point() else values.long()
+        total = (v if valid is None else torch.where(valid, v, 0)).sum()
+        return (total / count.clamp(min=1) if how == "mean" else total), null
+    if null is not None:
+        return values.new_zeros(()), null
+    kept = values if valid is None else values[valid]
+    return (kept.amin() if how == "min" else kept.amax()), None
 
 
 def _agg_kind(col: Column, how: str) -> str:
@@ -603,14 +629,15 @@ def _agg_kind(col: Column, how: str) -> str:
     return col.kind
 
 
-def reduce_groups(col: Column, gid: torch.Tensor, k: int, how: str):
-    """``how`` of ``col``'s non-null values per group; returns (values[k], valid[k] or None)."""
+def reduce_groups(col: Column, gid: torch.Tensor, k: int, how: str,
+                  sizes: torch.Tensor | None = None):
+    """``how`` of ``col``'s non-null values per group (``gid == k``: no group); returns
+    (values[k], valid[k] or None). ``sizes`` (rows per group) saves a count."""
     values, valid = col.values.reshape(-1), col.valid
-    gid = gid.reshape(-1)
     if valid is not None:
-        valid = valid.reshape(-1)
-        gid = torch.where(valid, gid, k)  # nulls go to an extra group that is dropped
-    n_valid = torch.bincount(gid, minlength=k + 1)[:k]
+        gid = torch.where(valid.reshape(-1), gid, k)  # nulls go to the extra group
+    n_valid = sizes if valid is None and sizes is not None else torch.bincount(
+        gid, minlength=k + 1)[:k]
     if how == "count":
         return n_valid, None
     if how == "count_distinct":

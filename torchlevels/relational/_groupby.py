@@ -39,6 +39,7 @@ class Grouped:
                  key_names: list[str]) -> None:
         self._rows, self._gid, self.size, self._first = rows, gid, size, first
         self.key_names = key_names
+        self._sizes: torch.Tensor | None = None
 
     @property
     def keys(self) -> Table:
@@ -48,7 +49,9 @@ class Grouped:
     @property
     def sizes(self) -> torch.Tensor:
         """The number of rows in each group."""
-        return torch.bincount(self._gid, minlength=self.size)
+        if self._sizes is None:
+            self._sizes = torch.bincount(self._gid, minlength=self.size + 1)[:self.size]
+        return self._sizes
 
     def __getitem__(self, dims) -> Rows:
         if not (isinstance(dims, tuple) and len(dims) == 2
@@ -56,7 +59,7 @@ class Grouped:
             raise TypeError(f"bind grouped rows with two dims, g[G, J], not g[{dims!r}]")
         G, J = dims
         G.size = self.size
-        grouping = Grouping(self._gid, self.size, G, J)
+        grouping = Grouping(self._gid, self.size, G, J, self.sizes)
         columns = {name: _regroup(self._rows, name, grouping)
                    for name in self._rows.column_names}
         return Rows(columns, (G, J), grouping)
@@ -85,45 +88,57 @@ def groupby(source: Table | Rows, keys: str | Sequence[str]) -> Grouped:
     keys = [keys] if isinstance(keys, str) else list(keys)
     if not keys:
         raise ValueError("groupby needs at least one key column")
+    mask = None
     if isinstance(source, Table):
-        D = Dim("rows", source.num_rows)
-        rows = source[D]
+        rows = source[Dim("rows", source.num_rows)]
     elif isinstance(source, Rows):
         if source.groups is not None or len(source.dims) != 1:
             raise ValueError(f"groupby: group rows over one dim, got rows over "
                              f"{source.dims!r}")
         rows = source
+        if source.selection is not None:  # filtered rows: group the unfiltered ones
+            rows, mask = source.selection
     else:
         raise TypeError(f"groupby takes a Table or Rows, got {source!r}")
     for k in keys:
         if k not in rows.column_names:
             raise _unknown(k, rows.column_names, "the grouped rows")
-    gid, size = group_ids([rows[k] for k in keys])
+    gid, size = group_ids([rows[k] for k in keys], mask)
     n = gid.shape[0]
-    first = torch.full((size,), n, dtype=torch.long).scatter_reduce_(
-        0, gid, torch.arange(n), "amin")
+    first = torch.full((size + 1,), n, dtype=torch.long).scatter_reduce_(
+        0, gid, torch.arange(n), "amin")[:size]
     return Grouped(rows, gid, size, first, keys)
 
 
-def group_ids(keys: list[Column]) -> tuple[torch.Tensor, int]:
-    """Each row's group number (groups sorted by key, nulls last) and the group count."""
+def group_ids(keys: list[Column], mask: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
+    """Each row's group number (groups sorted by key, nulls last) and the group count;
+    rows where ``mask`` is false get the number of groups (no group)."""
     codes, ranges = zip(*(_codes(k) for k in keys))
     total = 1
     for r in ranges:
         total *= r
-    combined = torch.zeros_like(codes[0])
-    if total <= max(DENSE_LIMIT, 2 * codes[0].shape[0]):
-        for c, r in zip(codes, ranges):
+    n = codes[0].shape[0]
+    if total <= max(DENSE_LIMIT, 2 * n):
+        combined = codes[0]
+        for c, r in zip(codes[1:], ranges[1:]):
             combined = combined * r + c
-        present = torch.bincount(combined, minlength=total) > 0
-        remap = torch.cumsum(present, 0) - 1
-        return remap[combined], int(present.sum())
+        if mask is not None:
+            combined = torch.where(mask, combined, total)
+        present = torch.bincount(combined, minlength=total + 1)[:total] > 0
+        size = int(present.sum())
+        remap = torch.cat([torch.cumsum(present, 0) - 1, torch.tensor([size])])
+        return remap[combined], size
+    if mask is not None:  # rank only the rows kept
+        kept = torch.nonzero(mask).squeeze(1)
+        gid, size = group_ids([k.take(kept) for k in keys])
+        return torch.full((n,), size, dtype=torch.long).index_put_((kept,), gid), size
     ranked = [torch.unique(c, return_inverse=True) for c in codes]
     sizes = [u.shape[0] for u, _ in ranked]
     product = 1
     for s in sizes:
         product *= s
     if product < 2 ** 62:
+        combined = torch.zeros_like(codes[0])
         for (_, inv), s in zip(ranked, sizes):
             combined = combined * s + inv
         uniq, gid = torch.unique(combined, return_inverse=True)

@@ -171,10 +171,14 @@ class Rows:
     """
 
     def __init__(self, columns: Mapping[str, Column | Callable[[], Column]],
-                 dims: tuple[Dim, ...], groups: Grouping | None = None) -> None:
+                 dims: tuple[Dim, ...], groups: Grouping | None = None,
+                 selection: tuple[Rows, torch.Tensor] | None = None) -> None:
         self._columns = dict(columns)
         self.dims = dims
         self.groups = groups
+        # rows made by a filter: (the rows filtered, the mask), so groupby can skip the
+        # gather and leave the filtered-out rows out of every group instead
+        self.selection = selection
 
     @property
     def column_names(self) -> list[str]:
@@ -189,7 +193,9 @@ class Rows:
             for name in key:
                 if name not in self._columns:
                     raise _unknown(name, self._columns, f"rows over {self.dims!r}")
-            return Rows({name: self._columns[name] for name in key}, self.dims, self.groups)
+            selection = self.selection and (self.selection[0][key], self.selection[1])
+            return Rows({name: self._columns[name] for name in key}, self.dims, self.groups,
+                        selection)
         if key not in self._columns:
             raise _unknown(key, self._columns, f"rows over {self.dims!r}")
         col = self._columns[key]
@@ -203,17 +209,16 @@ class Rows:
 
     def count(self, dim: Dim | tuple[Dim, ...] | None = None) -> Column:
         """The number of rows over ``dim`` (SQL's COUNT(*)); per group over a jagged dim."""
-        ones = Column(torch.ones(self._num_physical(), dtype=torch.int64), "int",
-                      dims=self.dims, groups=self.groups, name="*")
-        return ones.count(dim)
-
-    def _num_physical(self) -> int:
-        if self.groups is not None:
-            return self.groups.gid.shape[0]
-        if len(self.dims) != 1:
-            raise ValueError(f"rows over {self.dims!r} span several dims (a lazy outer "
-                             "product): filter them with where(...) first")
-        return self.dims[0].size
+        dims = self.dims if dim is None else (dim if isinstance(dim, tuple) else (dim,))
+        g = self.groups
+        if g is not None and len(dims) == 1 and dims[0] is g.J:
+            return Column(g.sizes, "int", dims=(g.G,), name="count(*)")
+        if set(dims) == set(self.dims) and len(dims) == len(self.dims) and (
+                g is not None or len(dims) == 1):
+            n = g.sizes.sum() if g is not None else torch.tensor(dims[0].size)
+            return Column(n, "int", name="count(*)")
+        raise ValueError(f"count{dims!r}: these rows are over {self.dims!r}; count over all "
+                         "of them (or over the jagged dim of grouped rows)")
 
     def order(self, *dims: Dim) -> Table:
         """The rows as a positional :class:`Table`; grouped rows (``order(G, J)``) come
@@ -234,7 +239,8 @@ class Rows:
             if dims[0] is not self.groups.G:
                 raise ValueError(f"order{dims!r}: the jagged dim {self.groups.J!r} must come "
                                  f"after the group dim {self.groups.G!r}")
-            index = torch.argsort(self.groups.gid, stable=True)
+            kept = int(self.groups.sizes.sum())  # rows a filter left out sort last
+            index = torch.argsort(self.groups.gid, stable=True)[:kept]
             return Table({name: c.take(index) for name, c in self.columns.items()})
         if len(self.dims) != 1:
             raise ValueError(f"order{dims!r}: rows over several dims are a lazy outer "

@@ -70,9 +70,12 @@ def where(condition, rows, other=_MISSING, *, keep: Dim | None = None):
         mask = condition.values if condition.valid is None else condition.values & condition.valid
         index = torch.nonzero(mask).squeeze(1)
         new = Dim(name, index.shape[0])
-        cache = condition._where_cache = (new, index)
-    new, index = cache
-    return new, _gather(rows, {dim: index}, new)
+        cache = condition._where_cache = (new, index, mask)
+    new, index, mask = cache
+    out = _gather(rows, {dim: index}, new)
+    if isinstance(out, Rows) and rows.groups is None:
+        out.selection = (rows, mask)
+    return new, out
 
 
 def _check_over(rows, dims: tuple[Dim, ...], condition) -> None:
