@@ -201,9 +201,8 @@ def _filter_pairs(parts, A: Dim, B: Dim, ia: torch.Tensor, ib: torch.Tensor):
 
 
 def _equi_join(ka: Column, kb: Column, ia: torch.Tensor, ib: torch.Tensor):
-    """Pairs of rows ``ia[x]``, ``ib[y]`` with equal non-null keys. The smaller side is
-    the build side: integer keys of small range are looked up in a table indexed by key
-    (counting sort); others are sorted and binary-searched (sort-merge)."""
+    """Pairs of rows ``ia[x]``, ``ib[y]`` with equal non-null keys; the smaller side is
+    the build side (see ``_match``)."""
     ka, kb = _comparable(ka, kb, "==")
     va, vb = _keys(ka, ia), _keys(kb, ib)
     if va.dtype != vb.dtype:
@@ -220,16 +219,7 @@ def _equi_join(ka: Column, kb: Column, ia: torch.Tensor, ib: torch.Tensor):
         (va, ia), (vb, ib))
     if probe.numel() == 0 or build.numel() == 0:
         return ia[:0], ib[:0]
-    start, count, order = _build(build, probe)
-    unique = bool(count.max() <= 1) if count.numel() else True
-    if unique:  # each probe row matches at most one build row (a key of the build side)
-        probe_pos = torch.nonzero(count).squeeze(1)
-        build_pos = order[start[probe_pos]]
-    else:
-        probe_pos = torch.repeat_interleave(torch.arange(probe.shape[0]), count)
-        offsets = torch.cumsum(count, 0) - count
-        within = torch.arange(probe_pos.shape[0]) - offsets[probe_pos]
-        build_pos = order[start[probe_pos] + within]
+    probe_pos, build_pos = _match(probe, build)
     out_probe, out_build = probe_rows[probe_pos], build_rows[build_pos]
     return (out_build, out_probe) if swap else (out_probe, out_build)
 
@@ -239,23 +229,40 @@ def _keys(col: Column, rows: torch.Tensor) -> torch.Tensor:
     return v if rows.shape[0] == v.shape[0] else v[rows]
 
 
-def _build(build: torch.Tensor, probe: torch.Tensor):
-    """For each probe key: where its matches start in ``order`` (the build rows sorted
-    by key), and how many there are."""
+def _match(probe: torch.Tensor, build: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions ``(p, b)`` with ``probe[p] == build[b]``, grouped by probe position.
+
+    Integer keys of small range are looked up in a table indexed by key: with distinct
+    build keys (a join to a primary key) the table holds each key's build position, else
+    where each key's run starts in the build rows sorted by key (a counting sort). Other
+    keys are sorted and binary-searched (a sort-merge join)."""
     if not build.is_floating_point():
-        lo = int(torch.minimum(build.min(), probe.min()))
-        span = int(torch.maximum(build.max(), probe.max())) - lo + 1
+        lo = min(0, int(build.min()), int(probe.min()))
+        span = max(int(build.max()), int(probe.max())) - lo + 1
         if span <= 4 * (build.shape[0] + probe.shape[0]) + 1024:
-            b = build - lo
+            b, p = (build, probe) if lo == 0 else (build - lo, probe - lo)
+            rows = torch.arange(build.shape[0])
+            position = torch.full((span,), -1, dtype=torch.long)
+            position[b] = rows
+            if bool((position[b] == rows).all()):  # no key written twice: distinct keys
+                found = position[p]
+                probe_pos = torch.nonzero(found >= 0).squeeze(1)
+                return probe_pos, found[probe_pos]
             per_key = torch.bincount(b, minlength=span)
             key_start = torch.cumsum(per_key, 0) - per_key
-            order = torch.argsort(b, stable=True)
-            p = probe - lo
-            return key_start[p], per_key[p], order
+            return _expand(key_start[p], per_key[p], torch.argsort(b, stable=True))
     build_sorted, order = torch.sort(build, stable=True)
     start = torch.searchsorted(build_sorted, probe, right=False)
     end = torch.searchsorted(build_sorted, probe, right=True)
-    return start, end - start, order
+    return _expand(start, end - start, order)
+
+
+def _expand(start: torch.Tensor, count: torch.Tensor, order: torch.Tensor):
+    """Probe row ``p`` matches build rows ``order[start[p] : start[p] + count[p]]``."""
+    probe_pos = torch.repeat_interleave(torch.arange(count.shape[0]), count)
+    offsets = torch.cumsum(count, 0) - count
+    within = torch.arange(probe_pos.shape[0]) - offsets[probe_pos]
+    return probe_pos, order[start[probe_pos] + within]
 
 
 def _keep_unmatched(ia, ib, keep_a: bool, n: int):
