@@ -68,9 +68,8 @@ def where(condition, rows, other=_MISSING, *, keep: Dim | None = None):
     cache = condition._where_cache
     if cache is None:
         mask = condition.values if condition.valid is None else condition.values & condition.valid
-        index = torch.nonzero(mask).squeeze(1)
-        new = Dim(name, index.shape[0])
-        cache = condition._where_cache = (new, index, mask)
+        new = Dim(name, int(mask.sum()))
+        cache = condition._where_cache = (new, _Index(mask), mask)
     new, index, mask = cache
     out = _gather(rows, {dim: index}, new)
     if isinstance(out, Rows) and rows.groups is None:
@@ -84,19 +83,36 @@ def _check_over(rows, dims: tuple[Dim, ...], condition) -> None:
                          f"{condition.describe()} is over {dims!r}")
 
 
-def _gather(rows, index: dict[Dim, torch.Tensor], new: Dim):
+class _Index:
+    """The positions of a filter's true values, found on first use: grouping filtered
+    rows needs only the mask."""
+
+    def __init__(self, mask: torch.Tensor) -> None:
+        self._mask, self._index = mask, None
+
+    def __call__(self) -> torch.Tensor:
+        if self._index is None:
+            self._index = torch.nonzero(self._mask).squeeze(1)
+        return self._index
+
+
+def _gather(rows, index: dict[Dim, torch.Tensor | _Index], new: Dim):
     """``rows`` (or a column) at the chosen rows of each of its dims, over ``new``."""
     if isinstance(rows, Column):
         (d,) = rows.dims
-        return rows.take(index[d], (new,))
+        return rows.take(_positions(index[d]), (new,))
     return Rows({name: _taker(rows, name, index, new) for name in rows.column_names}, (new,))
 
 
-def _taker(rows: Rows, name: str, index: dict[Dim, torch.Tensor], new: Dim):
+def _positions(index: torch.Tensor | _Index) -> torch.Tensor:
+    return index if isinstance(index, torch.Tensor) else index()
+
+
+def _taker(rows: Rows, name: str, index: dict[Dim, torch.Tensor | _Index], new: Dim):
     def take() -> Column:
         col = rows[name]
         (d,) = col.dims
-        return col.take(index[d], (new,))
+        return col.take(_positions(index[d]), (new,))
     return take
 
 
