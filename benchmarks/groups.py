@@ -29,6 +29,7 @@ LOOP = "Python loop"  # one torch.autograd call per example, stacked
 OPACUS = "Opacus"  # opacus.GradSampleModule: per-sample gradients by backward hooks
 EAGER = "torchlevels (eager)"  # the uncompiled torchlevels composition, beside compiled ones
 FUNCTORCH_DIM = "functorch.dim"  # the dims group's programs written with functorch.dim
+POLARS, PANDAS = "Polars", "pandas"  # the TPC-H group's dataframe libraries
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,10 @@ REFERENCES: dict[str, Reference] = {r.name: r for r in (
     Reference(FUNCTORCH_DIM, "#c44e52", "in the first-class dimensions group, the same "
               "program written with `functorch.dim` (its pure-Python port, shipped in "
               "torch 2.13): the anchor the issue names"),
+    Reference(POLARS, "#64b5cd", "in the TPC-H group, the query written with Polars' lazy "
+              "API on in-memory DataFrames (benchmarks/tpch_reference.py)"),
+    Reference(PANDAS, "#8c8c8c", "in the TPC-H group, the query written with pandas on "
+              "in-memory DataFrames (strings as categories)"),
 )}
 IMPL_COLORS = {TORCH_FUNC: "#4c72b0", TORCHLEVELS: "#dd8452",
                **{name: r.color for name, r in REFERENCES.items()}}
@@ -74,6 +79,7 @@ class Benchmark:
     target: float | None  # the largest acceptable torchlevels / torch.func ratio
     transform: Callable[[object], Callable] | None = None  # lib -> the composed function
     args: tuple = ()  # its inputs
+    notes: tuple[str, ...] = ()  # lines for BENCHMARKS.md under the group's figures
 
 
 @dataclass(frozen=True)
@@ -84,6 +90,7 @@ class Group:
     description: str
     build: Callable[[], list[Benchmark]]
     labels: tuple[str, str] = (TORCH_FUNC, TORCHLEVELS)  # what the two timed columns are
+    threads: int | None = None  # torch threads for this group (None: the runner's)
 
 
 def _three_ways(name, fn, plain_fn, args, target, in_dims=0) -> Benchmark:
@@ -496,6 +503,76 @@ def dims_group() -> list[Benchmark]:
     ]
 
 
+def _numbers(result) -> torch.Tensor:
+    """A query result's numeric values as one float64 tensor (for the cross-check)."""
+    import numpy as np
+
+    if isinstance(result, float):
+        return torch.tensor(result, dtype=torch.float64)
+    if not hasattr(result, "to_numpy"):  # a torchlevels Table
+        result = result.to_pandas()
+    if hasattr(result, "select_dtypes"):  # pandas
+        frame = result.select_dtypes("number").to_numpy(dtype=np.float64)
+    else:  # polars
+        import polars as pl
+
+        frame = result.select(pl.selectors.numeric()).to_numpy().astype(np.float64)
+    return torch.from_numpy(np.ascontiguousarray(frame))
+
+
+def tpch_group() -> list[Benchmark]:
+    """(k) TPC-H Q1, Q3, Q6 at scale 1: torchlevels.relational against DuckDB, Polars and
+    pandas on in-memory tables, all on every core."""
+    import os
+    import sys
+    import time
+
+    import duckdb
+
+    from benchmarks import tpch_reference as ref
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+    import tpch
+
+    folder = tpch.generate(1)
+
+    def timed(load):
+        start = time.perf_counter()
+        out = load()
+        return out, time.perf_counter() - start
+
+    ours, t_ours = timed(lambda: tpch.load(folder))
+    con = duckdb.connect()
+
+    def duck_load():
+        for t in tpch.COLUMNS:
+            con.execute(f"create table {t} as select * from read_parquet("
+                        f"'{os.path.join(folder, t + '.parquet')}')")
+
+    _, t_duck = timed(duck_load)
+    frames_pl, t_pl = timed(lambda: ref.load_polars(folder, ref.COLUMNS))
+    frames_pd, t_pd = timed(lambda: ref.load_pandas(folder, ref.COLUMNS))
+    load_note = (f"Load into memory (once, not timed per query): torchlevels {t_ours:.1f} s "
+                 f"(all columns the five example queries read), DuckDB {t_duck:.1f} s (every "
+                 f"column), Polars {t_pl:.1f} s, pandas {t_pd:.1f} s (the columns of Q1, Q3, "
+                 "Q6).")
+
+    def duck(name):
+        sql = tpch.SQL[name]
+        return lambda: _numbers(con.execute(sql).df() if name != "q6" else
+                                float(con.execute(sql).fetchone()[0]))
+
+    def on(query, tables):
+        return lambda: _numbers(query(tables))
+
+    return [Benchmark(f"TPC-H {name.upper()} (SF1)", {
+        TORCH_FUNC: duck(name),
+        TORCHLEVELS: on(lambda t, name=name: tpch.run(name, t), ours),
+        POLARS: on(getattr(ref, f"polars_{name}"), frames_pl),
+        PANDAS: on(getattr(ref, f"pandas_{name}"), frames_pd),
+    }, 1.5, notes=(load_note,) if name == "q1" else ()) for name in ("q1", "q3", "q6")]
+
+
 GROUPS: dict[str, Group] = {
     "overhead": Group(
         "Per-op overhead",
@@ -603,5 +680,22 @@ GROUPS: dict[str, Group] = {
         "attention; none for the others.",
         dims_group,
         ("plain PyTorch", "torchlevels.dim"),
+    ),
+    "tpch": Group(
+        "Relational queries: TPC-H (torchlevels.relational)",
+        "TPC-H Q1 (filter, group by two string keys, eight aggregates over 6M line items), "
+        "Q3 (customer-orders-lineitem joins with filters, group by three keys, top 10) and "
+        "Q6 (five filters, one sum) at scale factor 1, generated by `tpchgen-cli`. Each "
+        "engine queries tables already in memory (load times below) and runs on both cores "
+        "(torch with 2 threads here, unlike the other groups). The anchor is DuckDB running "
+        "the SQL in `examples/tpch.py` (ratio = torchlevels / DuckDB); torchlevels runs the "
+        "functions of `examples/tpch.py`; Polars and pandas run "
+        "`benchmarks/tpch_reference.py`. Before timing, the numeric columns of every "
+        "engine's result are checked against DuckDB's. torchlevels runs eagerly: every "
+        "column op is one torch kernel over the whole column, with no fusion. Target from "
+        "the issue: ratio <= 1.5 on each, faster than Polars and pandas.",
+        tpch_group,
+        ("DuckDB", "torchlevels"),
+        threads=2,
     ),
 }

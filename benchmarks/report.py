@@ -90,11 +90,14 @@ def columns(results: list[Result]) -> list[str]:
         name for name in refs if name != PLAIN]
 
 
-def progress_line(result: Result) -> str:
-    """One line for the terminal as a benchmark finishes."""
+def progress_line(result: Result, labels: tuple[str, str] = (TORCH_FUNC, TORCHLEVELS)) -> str:
+    """One line for the terminal as a benchmark finishes (``labels``: the group's names
+    for the anchor and torchlevels columns)."""
     t = result.timings
     met = {True: "met", False: "NOT met", None: "no target"}[result.met]
-    times = "  ".join(f"{name} {fmt_time(t[name].median)}" for name in columns([result]))
+    label = dict(zip((TORCH_FUNC, TORCHLEVELS), labels))
+    times = "  ".join(f"{label.get(name, name)} {fmt_time(t[name].median)}"
+                      for name in columns([result]))
     return (f"  {result.benchmark.name}: {times}  "
             f"ratio {result.ratio:5.2f} (target {result.benchmark.target}: {met})")
 
@@ -216,6 +219,7 @@ def render(results: dict[str, list[Result]], groups: dict[str, Group], info: dic
                 vs = ", ".join(f"{t_ours(r) / r.timings[n].median:.2f}x {n}" for n in others)
                 lines.append(f"  torchlevels against the other references: {vs} "
                              "(below 1: torchlevels is faster).")
+            lines += [f"  {note}" for note in r.benchmark.notes]
             if r.batching:
                 how = "; ".join(f"`{op}` {h}" for op, h in r.batching.items())
                 lines.append(f"  How torchlevels batched the ops reaching its level: {how}.")

@@ -103,10 +103,12 @@ def main(argv: list[str] | None = None) -> None:
         group = GROUPS[key]
         print(f"{group.title}:", file=sys.stderr, flush=True)
         results[key] = []
+        torch.set_num_threads(group.threads or args.threads)
         for benchmark in group.build():
             result = run_benchmark(benchmark, args.budget)
             results[key].append(result)
-            print(report.progress_line(result), file=sys.stderr, flush=True)
+            print(report.progress_line(result, group.labels), file=sys.stderr, flush=True)
+        torch.set_num_threads(args.threads)
     if not args.no_write:
         report.write(results, GROUPS, info)
 
