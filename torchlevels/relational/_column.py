@@ -24,6 +24,7 @@ import pyarrow.compute as pc
 import torch
 
 from torchlevels.dim import Dim
+from torchlevels.relational._fuse import OPS, SMALL_GROUPS, Expr, evaluate, reduce
 
 KINDS = ("int", "float", "bool", "date", "str")
 _EPOCH = datetime.date(1970, 1, 1)
@@ -105,29 +106,66 @@ class Column:
         140.0
     """
 
-    __slots__ = ("values", "kind", "dims", "valid", "dictionary", "groups", "name", "__weakref__",
-                 "_where_cache")
+    __slots__ = ("data", "kind", "dims", "valid", "dictionary", "groups", "selection", "name",
+                 "_values", "_where_cache", "__weakref__")
 
     def __init__(
         self,
-        values: torch.Tensor,
+        values: torch.Tensor | Expr,
         kind: str,
         *,
         dims: tuple[Dim, ...] = (),
         valid: torch.Tensor | None = None,
         dictionary: pa.Array | None = None,
         groups: Grouping | None = None,
+        selection: Selection | None = None,
         name: str = "column",
     ) -> None:
         assert kind in KINDS, kind
-        self.values = values
+        assert selection is None or valid is None, "filtered columns with nulls are gathered"
+        self.data = values  # over the physical rows: all of them, before a filter
         self.kind = kind
         self.dims = dims
         self.valid = valid
         self.dictionary = dictionary
         self.groups = groups
+        self.selection = selection
         self.name = name
+        self._values: torch.Tensor | None = None
         self._where_cache = None
+
+    @property
+    def values(self) -> torch.Tensor:
+        """The values, one per row (a filter's rows gathered, an expression run)."""
+        if self._values is None:
+            data = self.physical()
+            self._values = data if self.selection is None else data[self.selection.index()]
+        return self._values
+
+    def physical(self) -> torch.Tensor:
+        """The values over the physical rows (before a filter's gather)."""
+        if isinstance(self.data, Expr):
+            self.data = evaluate(self.data)
+        return self.data
+
+    def num_rows(self) -> int:
+        """The number of rows, without running anything."""
+        if self.selection is not None:
+            return self.selection.count()
+        data = self.data
+        if isinstance(data, Expr):
+            return data.rows
+        if data.ndim == 0:
+            raise TypeError(f"{self.describe()} is a scalar: it has no rows")
+        return data.shape[0]
+
+    def _is_scalar(self) -> bool:
+        return not self.dims and isinstance(self.data, torch.Tensor) and self.data.ndim == 0
+
+    def _lazy(self, expr: Expr, kind: str, name: str) -> Column:
+        """A column over the same (physical) rows, computed by ``expr``."""
+        return Column(expr, kind, dims=self.dims, dictionary=self.dictionary if kind == "str"
+                      else None, groups=self.groups, selection=self.selection, name=name)
 
     # -- facts ---------------------------------------------------------------------------
     def describe(self) -> str:
@@ -135,15 +173,13 @@ class Column:
         return f"column '{self.name}' ({self.kind}{bound})"
 
     def __repr__(self) -> str:
-        body = self.to_arrow().to_pylist() if self.values.ndim else self.item()
+        body = self.item() if self._is_scalar() else self.to_arrow().to_pylist()
         if isinstance(body, list) and len(body) > 10:
             body = f"{body[:10]!r}... ({len(body)} values)"
         return f"Column({self.describe()}: {body})"
 
     def __len__(self) -> int:
-        if self.values.ndim == 0:
-            raise TypeError(f"{self.describe()} is a scalar: it has no length")
-        return self.values.shape[0]
+        return self.num_rows()
 
     def __bool__(self) -> bool:
         raise TypeError(
@@ -152,7 +188,8 @@ class Column:
         )
 
     def _like(self, values, kind=None, valid=..., name=None, dictionary=None) -> Column:
-        """A column over the same rows (same nulls unless ``valid`` is given)."""
+        """A column of ``values`` (one per row, gathered) over the same rows (same nulls
+        unless ``valid`` is given)."""
         valid = self.valid if valid is ... else valid
         kind = kind or self.kind
         if kind == "str" and dictionary is None:
@@ -224,18 +261,24 @@ class Column:
         left, right = (other, self) if flip else (self, other)
         name = f"({_name(left)} {symbol} {_name(right)})"
         if isinstance(other, Column):
+            kind = "bool" if compare else _result_kind(op, left.kind, right.kind)
+            rows = _fusable(left, right)
+            if rows is not None and (not compare or left.kind != "str"):
+                if compare:
+                    _comparable(left, right, symbol)  # raises on kinds that do not compare
+                return rows._lazy(Expr(op, (left.data, right.data)), kind, name)
             a, b = _aligned(left, right, symbol)
             if compare:
                 a, b = _comparable(a, b, symbol)
-                kind = "bool"
-            else:
-                kind = _result_kind(op, a.kind, b.kind)
             return _combine(a, b, fn(a.values, b.values), kind, name)
         if compare:
-            return _compare_const(self, other, op, fn, symbol, flip, name)
+            return _compare_const(self, other, op, symbol, flip, name)
         ck = _const_kind(other)
         kind = _result_kind(op, *((ck, self.kind) if flip else (self.kind, ck)))
         c = date_to_days(other) if ck == "date" else other
+        args = (c, self.data) if flip else (self.data, c)
+        if self.valid is None and not self._is_scalar():
+            return self._lazy(Expr(op, args), kind, name)
         values = fn(c, self.values) if flip else fn(self.values, c)
         return self._like(values, kind, self.valid, name)
 
@@ -258,14 +301,16 @@ class Column:
         return self._binary(o, "mul", operator.mul, "*", flip=True)
 
     def __truediv__(self, o):
-        return self._binary(o, "truediv", _true_divide, "/")
+        return self._binary(o, "truediv", OPS["truediv"], "/")
 
     def __rtruediv__(self, o):
-        return self._binary(o, "truediv", _true_divide, "/", flip=True)
+        return self._binary(o, "truediv", OPS["truediv"], "/", flip=True)
 
     def __neg__(self) -> Column:
         if self.kind not in ("int", "float"):
             raise TypeError(f"cannot negate {self.describe()}")
+        if self.valid is None and not self._is_scalar():
+            return self._lazy(Expr("neg", (self.data,)), self.kind, f"-{self.name}")
         return self._like(-self.values, valid=self.valid, name=f"-{self.name}")
 
     def __lt__(self, o):
@@ -302,6 +347,8 @@ class Column:
 
     def __invert__(self) -> Column:
         self._expect("bool", "~")
+        if self.valid is None and not self._is_scalar():
+            return self._lazy(Expr("invert", (self.data,)), "bool", f"~{self.name}")
         return self._like(~self.values, valid=self.valid, name=f"~{self.name}")
 
     def between(self, low, high) -> Column:
@@ -385,9 +432,12 @@ class Column:
 
     def _on_dictionary(self, per_string: pa.Array, name: str) -> Column:
         lut = torch.from_numpy(per_string.to_numpy(zero_copy_only=False).copy())
-        lut = lut.to(self.values.device)
-        return self._like(lut[self.values] if lut.numel() else torch.zeros_like(
-            self.values, dtype=torch.bool), "bool", self.valid, name)
+        if not lut.numel():  # an empty dictionary: every value is null
+            lut = torch.zeros(1, dtype=torch.bool)
+        if self.valid is None and not self._is_scalar():
+            lut = lut.to(self.data.device)
+            return self._lazy(Expr("lookup", (self.data, lut)), "bool", name)
+        return self._like(lut.to(self.values.device)[self.values], "bool", self.valid, name)
 
     def _expect(self, kind: str, what: str) -> None:
         if self.kind != kind:
@@ -442,29 +492,41 @@ def _name(x) -> str:
     return x.name if isinstance(x, Column) else repr(x)
 
 
-def _true_divide(a, b):
-    a = a.double() if isinstance(a, torch.Tensor) and not a.is_floating_point() else a
-    return torch.true_divide(a, b)
-
-
 def _crosses(a: Column, b: Column) -> bool:
     """Whether an op on ``a`` and ``b`` spans two different dims (a lazy outer product)."""
     return bool(a.dims and b.dims and not set(a.dims) & set(b.dims))
+
+
+def _fusable(a: Column, b: Column) -> Column | None:
+    """The operand whose rows an op on ``a`` and ``b`` can record as an expression over
+    physical rows (no nulls, the same filter and grouping, or a scalar), else None."""
+    if a.valid is not None or b.valid is not None:
+        return None
+    if a._is_scalar() or b._is_scalar():
+        return None if a._is_scalar() and b._is_scalar() else (b if a._is_scalar() else a)
+    if (same_dims(a.dims, b.dims) and a.groups is b.groups and a.selection is b.selection
+            and _rows(a) == _rows(b)):
+        return a
+    return None
+
+
+def _rows(c: Column) -> int:
+    return c.data.rows if isinstance(c.data, Expr) else c.data.shape[0]
 
 
 def _aligned(a: Column, b: Column, symbol: str) -> tuple[Column, Column]:
     """``a`` and ``b`` over the same rows: equal dims, a scalar, or a per-group value
     broadcast to the rows of its groups."""
     if same_dims(a.dims, b.dims) and a.groups is b.groups:
-        if a.values.ndim and b.values.ndim and a.values.shape != b.values.shape:
+        if not a._is_scalar() and not b._is_scalar() and a.num_rows() != b.num_rows():
             raise ValueError(
-                f"{a.describe()} has {a.values.shape[0]} rows but {b.describe()} has "
-                f"{b.values.shape[0]}: positional columns must have the same length"
+                f"{a.describe()} has {a.num_rows()} rows but {b.describe()} has "
+                f"{b.num_rows()}: positional columns must have the same length"
             )
         return a, b
-    if not a.dims and a.values.ndim == 0:
+    if a._is_scalar():
         return _broadcast(a, b), b
-    if not b.dims and b.values.ndim == 0:
+    if b._is_scalar():
         return a, _broadcast(b, a)
     for x, y in ((a, b), (b, a)):
         if y.groups is not None and same_dims(x.dims, (y.groups.G,)):
@@ -532,7 +594,7 @@ def unify_dictionaries(dicts: list[pa.Array]) -> tuple[pa.Array, list[torch.Tens
     return merged, remaps
 
 
-def _compare_const(col: Column, value, op, fn, symbol, flip, name) -> Column:
+def _compare_const(col: Column, value, op, symbol, flip, name) -> Column:
     kind = _const_kind(value)
     if not ((col.kind in _NUMERIC and kind in _NUMERIC) or col.kind == kind):
         raise TypeError(f"cannot compare {col.describe()} with {_describe(value)} ('{symbol}')")
@@ -543,6 +605,9 @@ def _compare_const(col: Column, value, op, fn, symbol, flip, name) -> Column:
         args = (scalar, col.dictionary) if flip else (col.dictionary, scalar)
         return col._on_dictionary(arrow_op(*args), name)
     c = date_to_days(value) if kind == "date" else value
+    if col.valid is None and not col._is_scalar():
+        return col._lazy(Expr(op, (c, col.data) if flip else (col.data, c)), "bool", name)
+    fn = OPS[op]
     values = fn(torch.as_tensor(c), col.values) if flip else fn(col.values, c)
     return col._like(values, "bool", col.valid, name)
 
@@ -554,10 +619,13 @@ def _logical(a, b, op: str):
         b = _broadcast_const(a, b)
     if not isinstance(b, Column):
         raise TypeError(f"cannot combine {a.describe()} with {_describe(b)} using {op}")
-    a, b = _aligned(a, b, op)
     a._expect("bool", op)
     b._expect("bool", op)
     name = f"({a.name} {'&' if op == 'and' else '|'} {b.name})"
+    rows = _fusable(a, b)
+    if rows is not None:
+        return rows._lazy(Expr(op, (a.data, b.data)), "bool", name)
+    a, b = _aligned(a, b, op)
     values = a.values & b.values if op == "and" else a.values | b.values
     if a.valid is None and b.valid is None:
         return Column(values, "bool", dims=a.dims, groups=a.groups, name=name)
@@ -575,12 +643,10 @@ def _aggregate(col: Column, dim, how: str) -> Column:
     name = f"{how}({col.name})"
     if col.kind == "str" and how in ("sum", "mean"):
         raise TypeError(f"cannot {how} {col.describe()}")
-    if col.kind == "bool" and how in ("sum", "mean"):
-        col = col._like(col.values.long(), "int")
     kind = _agg_kind(col, how)
     groups = col.groups
     if groups is not None and set(dims) == {groups.J}:
-        values, valid = reduce_groups(col, groups.gid, groups.size, how, groups.sizes)
+        values, valid = reduce_groups(col, groups, how)
         return Column(values, kind, dims=(groups.G,), valid=valid, dictionary=col.dictionary,
                       name=name)
     if groups is not None and set(dims) != {groups.G, groups.J}:
@@ -591,20 +657,43 @@ def _aggregate(col: Column, dim, how: str) -> Column:
     if groups is None and (set(dims) != set(col.dims) or len(dims) != len(col.dims)):
         raise ValueError(f"{how}{dims!r}: {col.describe()} can only be reduced over its dims "
                          f"{col.dims!r}")
-    values, valid = col.values.reshape(-1), col.valid
-    if groups is not None and groups.sizes.sum() < values.shape[0]:  # rows a filter left out
-        kept = groups.gid < groups.size
-        valid = kept if valid is None else valid & kept
-    value, is_valid = reduce_all(values, valid, how)
+    value, is_valid = reduce_all(col, how)
     return Column(value, kind, valid=is_valid, dictionary=col.dictionary, name=name)
 
 
-def reduce_all(values: torch.Tensor, valid: torch.Tensor | None, how: str):
-    """``how`` of the non-null ``values``: (a 0-d value, a 0-d valid flag or None)."""
-    if valid is not None:
-        count = valid.sum()
+def _agg_kind(col: Column, how: str) -> str:
+    if how in ("count", "count_distinct"):
+        return "int"
+    if how == "mean":
+        return "float"
+    return "int" if col.kind == "bool" and how == "sum" else col.kind
+
+
+def reduce_all(col: Column, how: str):
+    """``how`` of all of ``col``'s non-null values: (a 0-d value, a 0-d valid flag or
+    None). Without nulls this is one fused kernel under the column's filter."""
+    groups = col.groups
+    if groups is not None and int(groups.sizes.sum()) < _rows(col):
+        mask = Expr("lt", (groups.gid, groups.size))  # rows a filter left out of every group
+        count = groups.sizes.sum()
+    elif col.selection is not None:
+        mask, count = col.selection.mask, torch.tensor(col.selection.count())
     else:
-        count = torch.tensor(values.shape[0], device=values.device)
+        mask, count = None, torch.tensor(_rows(col))
+    if col.valid is None and how != "count_distinct":
+        if how == "count":
+            return count, None
+        null = None if int(count) > 0 else torch.tensor(False)
+        if null is not None:
+            return torch.zeros((), dtype=torch.float64 if how == "mean" else _DTYPES[
+                "int" if col.kind == "bool" else col.kind]), null
+        total = reduce(col.data, mask, None, 0, "sum" if how == "mean" else how)
+        return (total / count if how == "mean" else total), None
+    values, valid = col.values.reshape(-1), col.valid
+    if mask is not None and col.selection is None:
+        kept = evaluate(mask)
+        valid = kept if valid is None else valid & kept
+    count = valid.sum() if valid is not None else torch.tensor(values.shape[0])
     if how == "count":
         return count, None
     if how == "count_distinct":
@@ -621,23 +710,18 @@ def reduce_all(values: torch.Tensor, valid: torch.Tensor | None, how: str):
     return (kept.amin() if how == "min" else kept.amax()), None
 
 
-def _agg_kind(col: Column, how: str) -> str:
-    if how in ("count", "count_distinct"):
-        return "int"
-    if how == "mean":
-        return "float"
-    return col.kind
-
-
-def reduce_groups(col: Column, gid: torch.Tensor, k: int, how: str,
-                  sizes: torch.Tensor | None = None):
-    """``how`` of ``col``'s non-null values per group (``gid == k``: no group); returns
-    (values[k], valid[k] or None). ``sizes`` (rows per group) saves a count."""
+def reduce_groups(col: Column, groups: Grouping, how: str):
+    """``how`` of ``col``'s non-null values per group (rows with ``gid == size`` are in no
+    group); returns (values[size], valid[size] or None). Without nulls, over few groups,
+    this is one fused kernel."""
+    k, gid = groups.size, groups.gid
+    if col.valid is None and how in ("sum", "mean", "min", "max") and k <= SMALL_GROUPS:
+        out = reduce(col.data, None, gid, k, "sum" if how == "mean" else how)
+        return (out / groups.sizes if how == "mean" else out), None
     values, valid = col.values.reshape(-1), col.valid
     if valid is not None:
         gid = torch.where(valid.reshape(-1), gid, k)  # nulls go to the extra group
-    n_valid = sizes if valid is None and sizes is not None else torch.bincount(
-        gid, minlength=k + 1)[:k]
+    n_valid = groups.sizes if valid is None else torch.bincount(gid, minlength=k + 1)[:k]
     if how == "count":
         return n_valid, None
     if how == "count_distinct":
@@ -657,10 +741,36 @@ def reduce_groups(col: Column, gid: torch.Tensor, k: int, how: str,
         if how == "mean":
             total = total / n_valid.clamp(min=1)
         return total, None if null is None else ~null
-    reduce = "amin" if how == "min" else "amax"
+    reduce_op = "amin" if how == "min" else "amax"
     out = torch.zeros(k + 1, dtype=values.dtype, device=values.device)
-    out = out.scatter_reduce_(0, gid, values, reduce, include_self=False)[:k]
+    out = out.scatter_reduce_(0, gid, values, reduce_op, include_self=False)[:k]
     return out, None if null is None else ~null
+
+
+class Selection:
+    """The rows a filter keeps: the physical rows where ``mask`` (an expression or bool
+    tensor over them) holds. Columns over the filter's dim keep their physical values;
+    aggregates apply the mask inside their kernel, anything else gathers the rows."""
+
+    def __init__(self, mask: torch.Tensor | Expr) -> None:
+        self.mask = mask
+        self._count: int | None = None
+        self._index: torch.Tensor | None = None
+
+    def count(self) -> int:
+        if self._count is None:
+            self._count = int(reduce(self.mask, None, None, 0, "count")) if isinstance(
+                self.mask, Expr) else int(torch.count_nonzero(self.mask))
+        return self._count
+
+    def tensor(self) -> torch.Tensor:
+        self.mask = evaluate(self.mask)
+        return self.mask
+
+    def index(self) -> torch.Tensor:
+        if self._index is None:
+            self._index = torch.nonzero(self.tensor()).squeeze(1)
+        return self._index
 
 
 class Cross:

@@ -13,7 +13,8 @@ from collections.abc import Sequence
 import torch
 
 from torchlevels.dim import Dim
-from torchlevels.relational._column import Column, Grouping
+from torchlevels.relational._column import Column, Grouping, Selection
+from torchlevels.relational._fuse import Expr, evaluate
 from torchlevels.relational._table import Rows, Table, _unknown
 
 DENSE_LIMIT = 1 << 20  # the most candidate groups counted without sorting
@@ -35,16 +36,19 @@ class Grouped:
         (['a', 'b'], [2.0, 5.0])
     """
 
-    def __init__(self, rows: Rows, gid: torch.Tensor, size: int, first: torch.Tensor,
+    def __init__(self, rows: Rows, selection: Selection | None, gid: torch.Tensor, size: int,
                  key_names: list[str]) -> None:
-        self._rows, self._gid, self.size, self._first = rows, gid, size, first
+        self._rows, self._selection, self._gid, self.size = rows, selection, gid, size
         self.key_names = key_names
         self._sizes: torch.Tensor | None = None
 
     @property
     def keys(self) -> Table:
         """One row per group with its key values, in the order of the group dim."""
-        return Table({k: self._rows[k].take(self._first) for k in self.key_names})
+        n = self._gid.shape[0]
+        first = torch.full((self.size + 1,), n, dtype=torch.long).scatter_reduce_(
+            0, self._gid, torch.arange(n), "amin")[:self.size]
+        return Table({k: self._physical(k).take(first) for k in self.key_names})
 
     @property
     def sizes(self) -> torch.Tensor:
@@ -53,6 +57,10 @@ class Grouped:
             self._sizes = torch.bincount(self._gid, minlength=self.size + 1)[:self.size]
         return self._sizes
 
+    def _physical(self, name: str) -> Column:
+        """Column ``name`` over the rows ``gid`` numbers (before the filter, if any)."""
+        return on_physical_rows(self._rows[name], self._selection)
+
     def __getitem__(self, dims) -> Rows:
         if not (isinstance(dims, tuple) and len(dims) == 2
                 and all(isinstance(d, Dim) for d in dims)):
@@ -60,20 +68,34 @@ class Grouped:
         G, J = dims
         G.size = self.size
         grouping = Grouping(self._gid, self.size, G, J, self.sizes)
-        columns = {name: _regroup(self._rows, name, grouping)
-                   for name in self._rows.column_names}
+        columns = {name: self._regrouped(name, grouping) for name in self._rows.column_names}
         return Rows(columns, (G, J), grouping)
+
+    def _regrouped(self, name: str, grouping: Grouping):
+        def bind() -> Column:
+            c = self._physical(name)
+            return Column(c.data, c.kind, dims=(grouping.G, grouping.J), valid=c.valid,
+                          dictionary=c.dictionary, groups=grouping, name=name)
+        return bind
 
     def __repr__(self) -> str:
         return f"Grouped({self.size} groups by {self.key_names})"
 
 
-def _regroup(rows: Rows, name: str, grouping: Grouping):
-    def bind() -> Column:
-        c = rows[name]
-        return Column(c.values, c.kind, dims=(grouping.G, grouping.J), valid=c.valid,
-                      dictionary=c.dictionary, groups=grouping, name=name)
-    return bind
+def on_physical_rows(col: Column, selection: Selection | None) -> Column:
+    """``col`` (over a filter's dim) as values over the filter's physical rows: its own
+    when it has them, else its kept rows scattered back (the others null). With no
+    selection: its rows, gathered."""
+    if selection is None or col.selection is selection:
+        data = col.values if selection is None else col.data
+        return Column(data, col.kind, valid=col.valid, dictionary=col.dictionary,
+                      name=col.name)
+    index = selection.index()
+    n = selection.tensor().shape[0]
+    values = col.values.new_zeros(n).index_put_((index,), col.values)
+    valid = torch.zeros(n, dtype=torch.bool).index_put_(
+        (index,), col.valid if col.valid is not None else torch.ones_like(index, dtype=torch.bool))
+    return Column(values, col.kind, valid=valid, dictionary=col.dictionary, name=col.name)
 
 
 def groupby(source: Table | Rows, keys: str | Sequence[str]) -> Grouped:
@@ -88,7 +110,6 @@ def groupby(source: Table | Rows, keys: str | Sequence[str]) -> Grouped:
     keys = [keys] if isinstance(keys, str) else list(keys)
     if not keys:
         raise ValueError("groupby needs at least one key column")
-    mask = None
     if isinstance(source, Table):
         rows = source[Dim("rows", source.num_rows)]
     elif isinstance(source, Rows):
@@ -96,18 +117,24 @@ def groupby(source: Table | Rows, keys: str | Sequence[str]) -> Grouped:
             raise ValueError(f"groupby: group rows over one dim, got rows over "
                              f"{source.dims!r}")
         rows = source
-        if source.selection is not None:  # filtered rows: group the unfiltered ones
-            rows, mask = source.selection
     else:
         raise TypeError(f"groupby takes a Table or Rows, got {source!r}")
     for k in keys:
         if k not in rows.column_names:
             raise _unknown(k, rows.column_names, "the grouped rows")
-    gid, size = group_ids([rows[k] for k in keys], mask)
-    n = gid.shape[0]
-    first = torch.full((size + 1,), n, dtype=torch.long).scatter_reduce_(
-        0, gid, torch.arange(n), "amin")[:size]
-    return Grouped(rows, gid, size, first, keys)
+    columns = [rows[k] for k in keys]
+    # filtered rows whose keys kept their physical rows: group those, the others left out
+    selection = columns[0].selection
+    if selection is not None and not all(c.selection is selection for c in columns):
+        selection = None
+    if selection is None:
+        columns = [on_physical_rows(c, None) for c in columns]
+        mask = None
+    else:
+        columns = [on_physical_rows(c, selection) for c in columns]
+        mask = selection.mask
+    gid, size = group_ids(columns, mask)
+    return Grouped(rows, selection, gid, size, keys)
 
 
 def group_ids(keys: list[Column], mask: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
@@ -117,34 +144,31 @@ def group_ids(keys: list[Column], mask: torch.Tensor | None = None) -> tuple[tor
     total = 1
     for r in ranges:
         total *= r
-    n = codes[0].shape[0]
+    n = keys[0].num_rows()
     if total <= max(DENSE_LIMIT, 2 * n):
         combined = codes[0]
         for c, r in zip(codes[1:], ranges[1:]):
-            combined = combined * r + c
+            combined = Expr("radix", (combined, r, c))
         if mask is not None:
-            combined = torch.where(mask, combined, total)
+            combined = Expr("select", (mask, combined, total))
+        combined = evaluate(combined)
         present = torch.bincount(combined, minlength=total + 1)[:total] > 0
         size = int(present.sum())
         remap = torch.cat([torch.cumsum(present, 0) - 1, torch.tensor([size])])
         return remap[combined], size
     if mask is not None:  # rank only the rows kept
-        kept = torch.nonzero(mask).squeeze(1)
+        kept = torch.nonzero(evaluate(mask)).squeeze(1)
         gid, size = group_ids([k.take(kept) for k in keys])
         return torch.full((n,), size, dtype=torch.long).index_put_((kept,), gid), size
     ranked = [torch.unique(c, return_inverse=True) for c in codes]
     sizes = [u.shape[0] for u, _ in ranked]
-    product = 1
-    for s in sizes:
-        product *= s
-    if product < 2 ** 62:
-        combined = torch.zeros_like(codes[0])
-        for (_, inv), s in zip(ranked, sizes):
-            combined = combined * s + inv
-        uniq, gid = torch.unique(combined, return_inverse=True)
-        return gid, uniq.shape[0]
-    uniq, gid = torch.unique(torch.stack([inv for _, inv in ranked], 1), dim=0,
-                             return_inverse=True)
+    combined, span = torch.zeros_like(codes[0]), 1
+    for (_, inv), s in zip(ranked, sizes):
+        if span * s >= 2 ** 62:  # re-rank the keys so far, in order, to stay in int64
+            uniq, combined = torch.unique(combined, return_inverse=True)
+            span = uniq.shape[0]
+        combined, span = combined * s + inv, span * s
+    uniq, gid = torch.unique(combined, return_inverse=True)
     return gid, uniq.shape[0]
 
 

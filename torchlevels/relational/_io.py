@@ -54,14 +54,13 @@ def column_from_arrow(arr: pa.Array | pa.ChunkedArray, name: str) -> Column:
 def column_from_values(values, name: str) -> Column:
     """A column from a tensor, NumPy array, list or pandas Series."""
     if isinstance(values, Column):
-        if values.dims or values.values.ndim != 1:
+        if values.dims or values._is_scalar():
             raise ValueError(
                 f"column '{name}' is {values.describe()}: a table takes positional 1-D "
                 "columns; call .order(dim) on a column bound to a dim first"
             )
-        values = Column(values.values, values.kind, valid=values.valid,
-                        dictionary=values.dictionary, name=name)
-        return values
+        return Column(values.data, values.kind, valid=values.valid,
+                      dictionary=values.dictionary, selection=values.selection, name=name)
     if isinstance(values, torch.Tensor):
         if values.ndim != 1:
             raise ValueError(f"column '{name}' must be 1-D, got a tensor of shape "

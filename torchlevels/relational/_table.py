@@ -171,14 +171,10 @@ class Rows:
     """
 
     def __init__(self, columns: Mapping[str, Column | Callable[[], Column]],
-                 dims: tuple[Dim, ...], groups: Grouping | None = None,
-                 selection: tuple[Rows, torch.Tensor] | None = None) -> None:
+                 dims: tuple[Dim, ...], groups: Grouping | None = None) -> None:
         self._columns = dict(columns)
         self.dims = dims
         self.groups = groups
-        # rows made by a filter: (the rows filtered, the mask), so groupby can skip the
-        # gather and leave the filtered-out rows out of every group instead
-        self.selection = selection
 
     @property
     def column_names(self) -> list[str]:
@@ -193,18 +189,17 @@ class Rows:
             for name in key:
                 if name not in self._columns:
                     raise _unknown(name, self._columns, f"rows over {self.dims!r}")
-            selection = self.selection and (self.selection[0][key], self.selection[1])
-            return Rows({name: self._columns[name] for name in key}, self.dims, self.groups,
-                        selection)
+            return Rows({name: self._columns[name] for name in key}, self.dims, self.groups)
         if key not in self._columns:
             raise _unknown(key, self._columns, f"rows over {self.dims!r}")
         col = self._columns[key]
         if not isinstance(col, Column):
             col = self._columns[key] = col()
         if not col.dims:  # a positional column, bound on first use
-            col = self._columns[key] = Column(col.values, col.kind, dims=self.dims,
+            col = self._columns[key] = Column(col.data, col.kind, dims=self.dims,
                                               valid=col.valid, dictionary=col.dictionary,
-                                              groups=self.groups, name=key)
+                                              groups=self.groups, selection=col.selection,
+                                              name=key)
         return col
 
     def count(self, dim: Dim | tuple[Dim, ...] | None = None) -> Column:
@@ -245,8 +240,9 @@ class Rows:
         if len(self.dims) != 1:
             raise ValueError(f"order{dims!r}: rows over several dims are a lazy outer "
                              "product; make them one dim with where(condition, rows)")
-        return Table({name: Column(c.values, c.kind, valid=c.valid, dictionary=c.dictionary,
-                                   name=name) for name, c in self.columns.items()})
+        return Table({name: Column(c.data, c.kind, valid=c.valid, dictionary=c.dictionary,
+                                   selection=c.selection, name=name)
+                      for name, c in self.columns.items()})
 
     def __repr__(self) -> str:
         return f"Rows(over {self.dims!r}, columns {self.column_names})"

@@ -15,7 +15,15 @@ import torch
 
 from torchlevels.dim import Dim
 from torchlevels.dim._dims import _assigned_names
-from torchlevels.relational._column import Column, Cross, _aligned, _and_valid, _comparable
+from torchlevels.relational._column import (
+    Column,
+    Cross,
+    Selection,
+    _aligned,
+    _comparable,
+    _rows,
+)
+from torchlevels.relational._fuse import Expr
 from torchlevels.relational._table import Rows
 
 _MISSING = object()
@@ -67,14 +75,37 @@ def where(condition, rows, other=_MISSING, *, keep: Dim | None = None):
         _check_over(rows, (dim,), condition)
     cache = condition._where_cache
     if cache is None:
-        mask = condition.values if condition.valid is None else condition.values & condition.valid
-        new = Dim(name, int(mask.sum()))
-        cache = condition._where_cache = (new, _Index(mask), mask)
-    new, index, mask = cache
-    out = _gather(rows, {dim: index}, new)
-    if isinstance(out, Rows) and rows.groups is None:
-        out.selection = (rows, mask)
-    return new, out
+        selection = Selection(_physical_mask(condition))
+        cache = condition._where_cache = (Dim(name, selection.count()), selection)
+    new, selection = cache
+    if isinstance(rows, Column):
+        return new, _filtered(rows, condition, selection, new)
+    return new, Rows({name: _filter_taker(rows, name, condition, selection, new)
+                      for name in rows.column_names}, (new,))
+
+
+def _physical_mask(condition: Column):
+    """The rows a filter keeps, over the condition's physical rows (true, not null)."""
+    if condition.selection is not None:  # filtering filtered rows: both masks hold
+        return Expr("and", (condition.selection.mask, condition.data))
+    if condition.valid is not None:
+        return condition.values & condition.valid
+    return condition.data
+
+
+def _filtered(col: Column, condition: Column, selection: Selection, new: Dim) -> Column:
+    """``col`` over the filter's new dim: its physical values under the filter's mask
+    when it has the condition's physical rows, else its kept rows gathered."""
+    if (col.valid is None and col.selection is condition.selection
+            and _rows(col) == _rows(condition)):
+        return Column(col.data, col.kind, dims=(new,), dictionary=col.dictionary,
+                      selection=selection, name=col.name)
+    keep = condition.values if condition.valid is None else condition.values & condition.valid
+    return col.take(torch.nonzero(keep).squeeze(1), (new,))
+
+
+def _filter_taker(rows: Rows, name: str, condition: Column, selection: Selection, new: Dim):
+    return lambda: _filtered(rows[name], condition, selection, new)
 
 
 def _check_over(rows, dims: tuple[Dim, ...], condition) -> None:
@@ -83,36 +114,19 @@ def _check_over(rows, dims: tuple[Dim, ...], condition) -> None:
                          f"{condition.describe()} is over {dims!r}")
 
 
-class _Index:
-    """The positions of a filter's true values, found on first use: grouping filtered
-    rows needs only the mask."""
-
-    def __init__(self, mask: torch.Tensor) -> None:
-        self._mask, self._index = mask, None
-
-    def __call__(self) -> torch.Tensor:
-        if self._index is None:
-            self._index = torch.nonzero(self._mask).squeeze(1)
-        return self._index
-
-
-def _gather(rows, index: dict[Dim, torch.Tensor | _Index], new: Dim):
+def _gather(rows, index: dict[Dim, torch.Tensor], new: Dim):
     """``rows`` (or a column) at the chosen rows of each of its dims, over ``new``."""
     if isinstance(rows, Column):
         (d,) = rows.dims
-        return rows.take(_positions(index[d]), (new,))
+        return rows.take(index[d], (new,))
     return Rows({name: _taker(rows, name, index, new) for name in rows.column_names}, (new,))
 
 
-def _positions(index: torch.Tensor | _Index) -> torch.Tensor:
-    return index if isinstance(index, torch.Tensor) else index()
-
-
-def _taker(rows: Rows, name: str, index: dict[Dim, torch.Tensor | _Index], new: Dim):
+def _taker(rows: Rows, name: str, index: dict[Dim, torch.Tensor], new: Dim):
     def take() -> Column:
         col = rows[name]
         (d,) = col.dims
-        return col.take(_positions(index[d]), (new,))
+        return col.take(index[d], (new,))
     return take
 
 
@@ -177,12 +191,11 @@ def _join_pairs(condition: Cross, A: Dim, B: Dim) -> tuple[torch.Tensor, torch.T
             equal = part
         else:
             rest.append(part)
-    ia, ib = (torch.nonzero(masks[d]).squeeze(1) if d in masks else torch.arange(d.size)
-              for d in (A, B))
     if equal is not None:
         ka, kb = equal.args if equal.args[0].dims[0] is A else equal.args[::-1]
-        ia, ib = _equi_join(ka, kb, ia, ib)
+        ia, ib = _equi_join(ka, kb, masks.get(A), masks.get(B))
         return _filter_pairs(rest, A, B, ia, ib)
+    ia, ib = (_rows_where(masks.get(d), d.size) for d in (A, B))
     block = max(1, BLOCK_ELEMENTS // max(1, ib.shape[0]))
     out_a, out_b = [ia[:0]], [ib[:0]]
     for start in range(0, ia.shape[0], block):
@@ -216,40 +229,44 @@ def _filter_pairs(parts, A: Dim, B: Dim, ia: torch.Tensor, ib: torch.Tensor):
     return ia[keep], ib[keep]
 
 
-def _equi_join(ka: Column, kb: Column, ia: torch.Tensor, ib: torch.Tensor):
-    """Pairs of rows ``ia[x]``, ``ib[y]`` with equal non-null keys; the smaller side is
-    the build side (see ``_match``)."""
+def _rows_where(mask: torch.Tensor | None, n: int) -> torch.Tensor:
+    return torch.arange(n) if mask is None else torch.nonzero(mask).squeeze(1)
+
+
+def _equi_join(ka: Column, kb: Column, mask_a: torch.Tensor | None,
+               mask_b: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row pairs with equal non-null keys among the rows where each mask holds (None:
+    all). The side with fewer rows is the build side (see ``_match``)."""
     ka, kb = _comparable(ka, kb, "==")
-    va, vb = _keys(ka, ia), _keys(kb, ib)
+    va, vb = ka.values, kb.values
     if va.dtype != vb.dtype:
         dtype = torch.promote_types(va.dtype, vb.dtype)
         va, vb = va.to(dtype), vb.to(dtype)
-    if ka.valid is not None:
-        ok = ka.valid[ia]
-        ia, va = ia[ok], va[ok]
-    if kb.valid is not None:
-        ok = kb.valid[ib]
-        ib, vb = ib[ok], vb[ok]
-    swap = va.shape[0] < vb.shape[0]
-    (probe, probe_rows), (build, build_rows) = ((vb, ib), (va, ia)) if swap else (
-        (va, ia), (vb, ib))
-    if probe.numel() == 0 or build.numel() == 0:
-        return ia[:0], ib[:0]
-    probe_pos, build_pos = _match(probe, build)
-    out_probe, out_build = probe_rows[probe_pos], build_rows[build_pos]
-    return (out_build, out_probe) if swap else (out_probe, out_build)
+    mask_a, mask_b = _and(mask_a, ka.valid), _and(mask_b, kb.valid)
+    count_a = va.shape[0] if mask_a is None else int(torch.count_nonzero(mask_a))
+    count_b = vb.shape[0] if mask_b is None else int(torch.count_nonzero(mask_b))
+    if count_a == 0 or count_b == 0:
+        return torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long)
+    swap = count_a < count_b
+    (probe, probe_mask), (build, build_mask) = ((vb, mask_b), (va, mask_a)) if swap else (
+        (va, mask_a), (vb, mask_b))
+    build_rows = _rows_where(build_mask, build.shape[0])
+    probe_rows, build_pos = _match(probe, probe_mask, build[build_rows])
+    out_build = build_rows[build_pos]
+    return (out_build, probe_rows) if swap else (probe_rows, out_build)
 
 
-def _keys(col: Column, rows: torch.Tensor) -> torch.Tensor:
-    v = col.values
-    return v if rows.shape[0] == v.shape[0] else v[rows]
+def _and(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
+    return b if a is None else (a if b is None else a & b)
 
 
-def _match(probe: torch.Tensor, build: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Positions ``(p, b)`` with ``probe[p] == build[b]``, grouped by probe position.
+def _match(probe: torch.Tensor, probe_mask: torch.Tensor | None, build: torch.Tensor):
+    """Rows ``p`` of ``probe`` (where ``probe_mask`` holds) and positions ``b`` in
+    ``build`` with ``probe[p] == build[b]``, grouped by probe row.
 
     Integer keys of small range are looked up in a table indexed by key: with distinct
-    build keys (a join to a primary key) the table holds each key's build position, else
+    build keys (a join to a primary key) the table holds each key's build position, and
+    every probe row looks itself up (no gather of the filtered probe keys); else it holds
     where each key's run starts in the build rows sorted by key (a counting sort). Other
     keys are sorted and binary-searched (a sort-merge join)."""
     if not build.is_floating_point():
@@ -262,15 +279,21 @@ def _match(probe: torch.Tensor, build: torch.Tensor) -> tuple[torch.Tensor, torc
             position[b] = rows
             if bool((position[b] == rows).all()):  # no key written twice: distinct keys
                 found = position[p]
-                probe_pos = torch.nonzero(found >= 0).squeeze(1)
-                return probe_pos, found[probe_pos]
+                hit = found >= 0 if probe_mask is None else (found >= 0) & probe_mask
+                probe_rows = torch.nonzero(hit).squeeze(1)
+                return probe_rows, found[probe_rows]
             per_key = torch.bincount(b, minlength=span)
             key_start = torch.cumsum(per_key, 0) - per_key
-            return _expand(key_start[p], per_key[p], torch.argsort(b, stable=True))
+            kept = _rows_where(probe_mask, probe.shape[0])
+            pk = p[kept]
+            pos, build_pos = _expand(key_start[pk], per_key[pk], torch.argsort(b, stable=True))
+            return kept[pos], build_pos
+    kept = _rows_where(probe_mask, probe.shape[0])
     build_sorted, order = torch.sort(build, stable=True)
-    start = torch.searchsorted(build_sorted, probe, right=False)
-    end = torch.searchsorted(build_sorted, probe, right=True)
-    return _expand(start, end - start, order)
+    start = torch.searchsorted(build_sorted, probe[kept], right=False)
+    end = torch.searchsorted(build_sorted, probe[kept], right=True)
+    pos, build_pos = _expand(start, end - start, order)
+    return kept[pos], build_pos
 
 
 def _expand(start: torch.Tensor, count: torch.Tensor, order: torch.Tensor):
@@ -293,4 +316,4 @@ def _keep_unmatched(ia, ib, keep_a: bool, n: int):
     return torch.cat([ia, none]), torch.cat([ib, lonely])
 
 
-__all__ = ["where", "_and_valid"]
+__all__ = ["where"]
