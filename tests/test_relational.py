@@ -364,3 +364,32 @@ def test_grouping_filtered_rows_leaves_the_others_out(con, people):
     assert r.count((G, J)).item() == n == P2.size
     assert column(g.keys["name"]) == [row[0] for row in duck_rows(
         con, "select distinct name from people where age > 20 order by name nulls last")]
+
+
+def test_compiled_reductions_match_eager(monkeypatch):
+    from torchlevels.relational import _fuse
+
+    gen = torch.Generator().manual_seed(0)
+    t = Table({"k": torch.randint(0, 5, (1000,), generator=gen),
+               "x": torch.randn(1000, generator=gen), "i": torch.randint(-9, 9, (1000,),
+                                                                          generator=gen)})
+
+    def query():
+        R = dims(1)
+        r = t[R]
+        R2, f = where((r["x"] > -0.5) & (r["i"] != 3), r)
+        g = groupby(f, "k")
+        G, J = dims(2)
+        q = g[G, J]
+        e = q["x"] * 2 + q["i"]
+        return [column(e.sum(J).order(G)), column(q["i"].min(J).order(G)),
+                column(q["x"].max(J).order(G)), column(q["i"].sum(J).order(G)),
+                column(q["x"].mean(J).order(G)), (f["x"] * f["i"]).sum(R2).item(),
+                f["i"].max(R2).item()]
+
+    eager = query()
+    monkeypatch.setattr(_fuse, "FUSE_MIN_ROWS", 0)
+    fused = query()
+    for a, b in zip(eager, fused):
+        assert a == pytest.approx(b, rel=1e-12)
+    assert not _fuse._compile_failed

@@ -43,3 +43,19 @@ def test_q1_column_names_match_sql(data):
     tables, con = data
     names = [d[0] for d in con.execute(tpch.SQL["q1"]).description]
     assert tpch.run("q1", tables).column_names == names
+
+
+@pytest.mark.parametrize("name", ["q1", "q6"])
+def test_compiled_kernels_match_duckdb(data, name, monkeypatch):
+    """The fused path (torch.compile'd reductions) that large tables take, forced here."""
+    from torchlevels.relational import _fuse
+
+    monkeypatch.setattr(_fuse, "FUSE_MIN_ROWS", 0)
+    compiled_before = _fuse._compiled.cache_info().misses
+    tables, con = data
+    if name == "q6":
+        (expected,), = duck_rows(con, tpch.SQL["q6"])
+        assert tpch.run("q6", tables) == pytest.approx(expected, rel=1e-12)
+    else:
+        assert_same_rows(our_rows(tpch.run(name, tables)), duck_rows(con, tpch.SQL[name]))
+    assert _fuse._compiled.cache_info().misses > compiled_before and not _fuse._compile_failed
