@@ -155,7 +155,7 @@ def test_group_values_broadcast_back_to_their_rows(con, people):
     G, J = dims(2)
     r = g[G, J]
     share = r["score"] / r["score"].sum(J)
-    in_group_order = share.take(torch.argsort(share.groups.gid, stable=True))
+    in_group_order = share.take(torch.argsort(share.groups.ids(), stable=True))
     theirs = duck_rows(con, "select id, score / sum(score) over (partition by name) "
                        "from people order by name nulls last, id")
     ids = r.order(G, J)["id"]

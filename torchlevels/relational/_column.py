@@ -31,17 +31,23 @@ _EPOCH = datetime.date(1970, 1, 1)
 _NUMERIC = ("int", "float", "bool")
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(eq=False)
 class Grouping:
     """Rows split into groups: ``gid[row]`` in ``0 .. size - 1`` (``size`` for a row left
-    out by a filter); ``G`` numbers the groups and the jagged ``J`` the rows inside one;
-    ``sizes`` counts the rows of each group."""
+    out by a filter), a tensor or an expression that fused kernels compute inline;
+    ``G`` numbers the groups and the jagged ``J`` the rows inside one; ``sizes`` counts
+    the rows of each group."""
 
-    gid: torch.Tensor
+    gid: torch.Tensor | Expr
     size: int
     G: Dim
     J: Dim
     sizes: torch.Tensor
+
+    def ids(self) -> torch.Tensor:
+        """``gid`` as a tensor (run once if it is an expression)."""
+        self.gid = evaluate(self.gid)
+        return self.gid
 
 
 def same_dims(a: tuple[Dim, ...], b: tuple[Dim, ...]) -> bool:
@@ -530,7 +536,7 @@ def _aligned(a: Column, b: Column, symbol: str) -> tuple[Column, Column]:
         return a, _broadcast(b, a)
     for x, y in ((a, b), (b, a)):
         if y.groups is not None and same_dims(x.dims, (y.groups.G,)):
-            expanded = x.take(y.groups.gid, y.dims, y.groups)
+            expanded = x.take(y.groups.ids(), y.dims, y.groups)
             return (expanded, y) if x is a else (y, expanded)
     raise ValueError(
         f"cannot combine {a.describe()} with {b.describe()} in '{symbol}': bind both to the "
@@ -714,10 +720,11 @@ def reduce_groups(col: Column, groups: Grouping, how: str):
     """``how`` of ``col``'s non-null values per group (rows with ``gid == size`` are in no
     group); returns (values[size], valid[size] or None). Without nulls, over few groups,
     this is one fused kernel."""
-    k, gid = groups.size, groups.gid
+    k = groups.size
     if col.valid is None and how in ("sum", "mean", "min", "max") and k <= SMALL_GROUPS:
-        out = reduce(col.data, None, gid, k, "sum" if how == "mean" else how)
+        out = reduce(col.data, None, groups.gid, k, "sum" if how == "mean" else how)
         return (out / groups.sizes if how == "mean" else out), None
+    gid = groups.ids()
     values, valid = col.values.reshape(-1), col.valid
     if valid is not None:
         gid = torch.where(valid.reshape(-1), gid, k)  # nulls go to the extra group

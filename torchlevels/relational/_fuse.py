@@ -97,6 +97,8 @@ def _identity(values: torch.Tensor, how: str):
 def _reduce_one(values: torch.Tensor, keep, how: str):
     if how == "count":  # of the true values of a boolean expression
         return torch.count_nonzero(values if keep is None else values & keep)
+    if how == "rows":
+        return torch.count_nonzero(keep) if keep is not None else torch.tensor(values.shape[0])
     if keep is not None:
         values = torch.where(keep, values, _identity(values, how))
     if how == "sum":
@@ -151,8 +153,8 @@ def evaluate(node) -> torch.Tensor:
 
 
 def reduce(values, mask, gid, groups: int, how: str) -> torch.Tensor:
-    """``how`` (sum, min, max, or count: of true values) of ``values`` over the rows where
-    ``mask`` holds (None: all), per group ``gid`` in ``0 .. groups - 1`` (None: one
+    """``how`` (sum, min, max, count: of true values, or rows) of ``values`` over the rows
+    where ``mask`` holds (None: all), per group ``gid`` in ``0 .. groups - 1`` (None: one
     total). Sums of floats are float64, of ints and bools int64."""
     tensors: list = []
     seen: dict[int, int] = {}

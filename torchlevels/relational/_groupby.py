@@ -8,13 +8,14 @@ group id, so rows are never reordered.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
 from torchlevels.dim import Dim
 from torchlevels.relational._column import Column, Grouping, Selection
-from torchlevels.relational._fuse import Expr, evaluate
+from torchlevels.relational._fuse import SMALL_GROUPS, Expr, evaluate, reduce
 from torchlevels.relational._table import Rows, Table, _unknown
 
 DENSE_LIMIT = 1 << 20  # the most candidate groups counted without sorting
@@ -36,25 +37,30 @@ class Grouped:
         (['a', 'b'], [2.0, 5.0])
     """
 
-    def __init__(self, rows: Rows, selection: Selection | None, gid: torch.Tensor, size: int,
-                 key_names: list[str]) -> None:
-        self._rows, self._selection, self._gid, self.size = rows, selection, gid, size
-        self.key_names = key_names
-        self._sizes: torch.Tensor | None = None
+    def __init__(self, rows: Rows, selection: Selection | None, key_names: list[str],
+                 gid: torch.Tensor | Expr, size: int, sizes: torch.Tensor | None,
+                 key_values: list[Column] | None) -> None:
+        self._rows, self._selection, self.key_names = rows, selection, key_names
+        self._gid, self.size, self._sizes = gid, size, sizes
+        self._keys = None if key_values is None else Table(dict(zip(key_names, key_values)))
 
     @property
     def keys(self) -> Table:
         """One row per group with its key values, in the order of the group dim."""
-        n = self._gid.shape[0]
-        first = torch.full((self.size + 1,), n, dtype=torch.long).scatter_reduce_(
-            0, self._gid, torch.arange(n), "amin")[:self.size]
-        return Table({k: self._physical(k).take(first) for k in self.key_names})
+        if self._keys is None:
+            gid = self._gid = evaluate(self._gid)
+            n = gid.shape[0]
+            first = torch.full((self.size + 1,), n, dtype=torch.long).scatter_reduce_(
+                0, gid, torch.arange(n), "amin")[:self.size]
+            self._keys = Table({k: self._physical(k).take(first) for k in self.key_names})
+        return self._keys
 
     @property
     def sizes(self) -> torch.Tensor:
         """The number of rows in each group."""
         if self._sizes is None:
-            self._sizes = torch.bincount(self._gid, minlength=self.size + 1)[:self.size]
+            gid = self._gid = evaluate(self._gid)
+            self._sizes = torch.bincount(gid, minlength=self.size + 1)[:self.size]
         return self._sizes
 
     def _physical(self, name: str) -> Column:
@@ -133,61 +139,90 @@ def groupby(source: Table | Rows, keys: str | Sequence[str]) -> Grouped:
     else:
         columns = [on_physical_rows(c, selection) for c in columns]
         mask = selection.mask
-    gid, size = group_ids(columns, mask)
-    return Grouped(rows, selection, gid, size, keys)
+    return Grouped(rows, selection, keys, *group_ids(columns, mask))
 
 
-def group_ids(keys: list[Column], mask: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
-    """Each row's group number (groups sorted by key, nulls last) and the group count;
-    rows where ``mask`` is false get the number of groups (no group)."""
-    codes, ranges = zip(*(_codes(k) for k in keys))
+@dataclass
+class _KeyCodes:
+    """One key column as non-negative int64 codes that sort like its values (nulls get
+    the largest), their range, and the way back from codes to values."""
+
+    codes: torch.Tensor
+    range: int
+    decode: Callable[[torch.Tensor], Column]
+
+
+def group_ids(keys: list[Column], mask=None):
+    """Each row's group number (groups sorted by key, nulls last; a tensor, or an
+    expression fused kernels compute inline), the number of groups, and, when they come
+    for free, the rows per group and the key values per group (else None). Rows where
+    ``mask`` is false get the number of groups (no group)."""
+    coded = [_codes(k) for k in keys]
     total = 1
-    for r in ranges:
-        total *= r
+    for k in coded:
+        total *= k.range
     n = keys[0].num_rows()
     if total <= max(DENSE_LIMIT, 2 * n):
-        combined = codes[0]
-        for c, r in zip(codes[1:], ranges[1:]):
-            combined = Expr("radix", (combined, r, c))
+        combined = coded[0].codes
+        for k in coded[1:]:
+            combined = Expr("radix", (combined, k.range, k.codes))
         if mask is not None:
             combined = Expr("select", (mask, combined, total))
-        combined = evaluate(combined)
-        present = torch.bincount(combined, minlength=total + 1)[:total] > 0
+        if total <= SMALL_GROUPS:  # count the candidates in one fused pass
+            counts = reduce(combined, None, combined, total, "rows")
+        else:
+            combined = evaluate(combined)
+            counts = torch.bincount(combined, minlength=total + 1)[:total]
+        present = counts > 0
         size = int(present.sum())
         remap = torch.cat([torch.cumsum(present, 0) - 1, torch.tensor([size])])
-        return remap[combined], size
+        gid = Expr("lookup", (combined, remap)) if total <= SMALL_GROUPS else remap[combined]
+        return gid, size, counts[present], _decode(coded, torch.nonzero(present).squeeze(1))
     if mask is not None:  # rank only the rows kept
         kept = torch.nonzero(evaluate(mask)).squeeze(1)
-        gid, size = group_ids([k.take(kept) for k in keys])
-        return torch.full((n,), size, dtype=torch.long).index_put_((kept,), gid), size
-    ranked = [torch.unique(c, return_inverse=True) for c in codes]
-    sizes = [u.shape[0] for u, _ in ranked]
-    combined, span = torch.zeros_like(codes[0]), 1
-    for (_, inv), s in zip(ranked, sizes):
-        if span * s >= 2 ** 62:  # re-rank the keys so far, in order, to stay in int64
-            uniq, combined = torch.unique(combined, return_inverse=True)
-            span = uniq.shape[0]
-        combined, span = combined * s + inv, span * s
+        gid, size, _, _ = group_ids([k.take(kept) for k in keys])
+        return torch.full((n,), size, dtype=torch.long).index_put_((kept,), gid), size, None, None
+    ranked = [torch.unique(k.codes, return_inverse=True) for k in coded]
+    combined, span = torch.zeros_like(coded[0].codes), 1
+    for uniq, inv in ranked:
+        if span * uniq.shape[0] >= 2 ** 62:  # re-rank the keys so far, in order
+            seen, combined = torch.unique(combined, return_inverse=True)
+            span = seen.shape[0]
+        combined, span = combined * uniq.shape[0] + inv, span * uniq.shape[0]
     uniq, gid = torch.unique(combined, return_inverse=True)
-    return gid, uniq.shape[0]
+    return gid, uniq.shape[0], None, None
 
 
-def _codes(key: Column) -> tuple[torch.Tensor, int]:
-    """Key values as non-negative int64 codes that sort like the values, and their range
-    (nulls get the largest code)."""
+def _decode(coded: list[_KeyCodes], candidates: torch.Tensor) -> list[Column]:
+    """The key values of the combined codes ``candidates`` (mixed radix, last key fastest)."""
+    out = []
+    for k in reversed(coded):
+        out.append(k.decode(candidates % k.range))
+        candidates = torch.div(candidates, k.range, rounding_mode="floor")
+    return out[::-1]
+
+
+def _codes(key: Column) -> _KeyCodes:
     v = key.values
     if key.kind == "str":
-        codes, r = v, len(key.dictionary)
+        codes, r, values = v, len(key.dictionary), lambda c: c
     elif key.kind == "bool":
-        codes, r = v.long(), 2
+        codes, r, values = v.long(), 2, lambda c: c == 1
     elif key.kind == "float":
         uniq, codes = torch.unique(v, return_inverse=True)
-        r = uniq.shape[0]
+        r, values = uniq.shape[0], lambda c: uniq[c]
     else:
         lo = int(v.min()) if v.numel() else 0
         codes = v.long() - lo
         r = (int(v.max()) - lo + 1) if v.numel() else 1
-    if key.valid is not None:
+        values = lambda c: (c + lo).to(v.dtype)
+    has_nulls = key.valid is not None
+    if has_nulls:
         codes = torch.where(key.valid, codes, r)
-        r += 1
-    return codes, max(r, 1)
+
+    def decode(c: torch.Tensor, base: int = r) -> Column:
+        valid = c < base if has_nulls else None
+        return Column(values(c.clamp(max=max(base - 1, 0))), key.kind, valid=valid,
+                      dictionary=key.dictionary, name=key.name)
+
+    return _KeyCodes(codes, max(r + has_nulls, 1), decode)

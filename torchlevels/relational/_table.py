@@ -235,7 +235,7 @@ class Rows:
                 raise ValueError(f"order{dims!r}: the jagged dim {self.groups.J!r} must come "
                                  f"after the group dim {self.groups.G!r}")
             kept = int(self.groups.sizes.sum())  # rows a filter left out sort last
-            index = torch.argsort(self.groups.gid, stable=True)[:kept]
+            index = torch.argsort(self.groups.ids(), stable=True)[:kept]
             return Table({name: c.take(index) for name, c in self.columns.items()})
         if len(self.dims) != 1:
             raise ValueError(f"order{dims!r}: rows over several dims are a lazy outer "
