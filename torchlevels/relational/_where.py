@@ -10,6 +10,7 @@ outer product of bounded size.
 from __future__ import annotations
 
 import inspect
+import weakref
 
 import torch
 
@@ -270,18 +271,20 @@ def _match(probe: torch.Tensor, probe_mask: torch.Tensor | None, build: torch.Te
     where each key's run starts in the build rows sorted by key (a counting sort). Other
     keys are sorted and binary-searched (a sort-merge join)."""
     if not build.is_floating_point():
-        lo = min(0, int(build.min()), int(probe.min()))
-        span = max(int(build.max()), int(probe.max())) - lo + 1
+        (build_lo, build_hi), (probe_lo, probe_hi) = _min_max(build), _min_max(probe)
+        lo = min(0, build_lo, probe_lo)
+        span = max(build_hi, probe_hi) - lo + 1
         if span <= 4 * (build.shape[0] + probe.shape[0]) + 1024:
             b, p = (build, probe) if lo == 0 else (build - lo, probe - lo)
-            rows = torch.arange(build.shape[0])
-            position = torch.full((span,), -1, dtype=torch.long)
+            index_type = torch.int32 if build.shape[0] < 2 ** 31 else torch.long
+            rows = torch.arange(build.shape[0], dtype=index_type)
+            position = torch.full((span,), -1, dtype=index_type)
             position[b] = rows
             if bool((position[b] == rows).all()):  # no key written twice: distinct keys
                 found = position[p]
                 hit = found >= 0 if probe_mask is None else (found >= 0) & probe_mask
                 probe_rows = torch.nonzero(hit).squeeze(1)
-                return probe_rows, found[probe_rows]
+                return probe_rows, found[probe_rows].long()
             per_key = torch.bincount(b, minlength=span)
             key_start = torch.cumsum(per_key, 0) - per_key
             kept = _rows_where(probe_mask, probe.shape[0])
@@ -294,6 +297,20 @@ def _match(probe: torch.Tensor, probe_mask: torch.Tensor | None, build: torch.Te
     end = torch.searchsorted(build_sorted, probe[kept], right=True)
     pos, build_pos = _expand(start, end - start, order)
     return kept[pos], build_pos
+
+
+_MIN_MAX: dict[int, tuple[weakref.ref, int, int]] = {}
+
+
+def _min_max(keys: torch.Tensor) -> tuple[int, int]:
+    """The smallest and largest key, remembered per tensor while it lives (a table's
+    columns are joined again and again)."""
+    seen = _MIN_MAX.get(id(keys))
+    if seen is None or seen[0]() is not keys:
+        key = id(keys)
+        seen = _MIN_MAX[key] = (weakref.ref(keys, lambda _: _MIN_MAX.pop(key, None)),
+                                int(keys.min()), int(keys.max()))
+    return seen[1], seen[2]
 
 
 def _expand(start: torch.Tensor, count: torch.Tensor, order: torch.Tensor):
