@@ -393,3 +393,13 @@ def test_compiled_reductions_match_eager(monkeypatch):
     for a, b in zip(eager, fused):
         assert a == pytest.approx(b, rel=1e-12)
     assert not _fuse._compile_failed
+
+
+def test_a_filters_dim_counts_its_rows_when_asked(people):
+    P = dims(1)
+    p = people[P]
+    P2, f = where(p["age"] > 20, p)
+    assert f["score"].sum(P2).item() == pytest.approx(5.5)
+    assert P2.is_bound and P2.size == 3
+    with pytest.raises(DimensionBindError, match="size 3 cannot bind to a dimension of size 6"):
+        people[P2]

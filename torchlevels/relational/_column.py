@@ -24,7 +24,14 @@ import pyarrow.compute as pc
 import torch
 
 from torchlevels.dim import Dim
-from torchlevels.relational._fuse import OPS, SMALL_GROUPS, Expr, evaluate, reduce
+from torchlevels.relational._fuse import (
+    OPS,
+    SMALL_GROUPS,
+    Expr,
+    evaluate,
+    reduce,
+    reduce_counted,
+)
 
 KINDS = ("int", "float", "bool", "date", "str")
 _EPOCH = datetime.date(1970, 1, 1)
@@ -681,22 +688,21 @@ def reduce_all(col: Column, how: str):
     groups = col.groups
     if groups is not None and int(groups.sizes.sum()) < _rows(col):
         mask = Expr("lt", (groups.gid, groups.size))  # rows a filter left out of every group
-        count = groups.sizes.sum()
+        count = groups.sizes.sum
     elif col.selection is not None:
-        mask, count = col.selection.mask, torch.tensor(col.selection.count())
+        mask, count = col.selection.mask, lambda: torch.tensor(col.selection.count())
     else:
-        mask, count = None, torch.tensor(_rows(col))
+        mask, count = None, lambda: torch.tensor(_rows(col))
     if col.valid is None and how != "count_distinct":
         if how == "count":
-            return count, None
-        null = None if int(count) > 0 else torch.tensor(False)
-        if null is not None:
-            return torch.zeros((), dtype=torch.float64 if how == "mean" else _DTYPES[
-                "int" if col.kind == "bool" else col.kind]), null
-        total = reduce(col.data, mask, None, 0, "sum" if how == "mean" else how)
-        return (total / count if how == "mean" else total), None
+            return count(), None
+        total, rows = reduce_counted(col.data, mask, "sum" if how == "mean" else how)
+        if int(rows) == 0:  # SQL: an aggregate of no rows is null
+            zero = torch.zeros((), dtype=torch.float64) if how == "mean" else total.new_zeros(())
+            return zero, torch.tensor(False)
+        return (total / rows if how == "mean" else total), None
     values, valid = col.values.reshape(-1), col.valid
-    if mask is not None and col.selection is None:
+    if mask is not None and col.selection is None:  # grouped rows, some left out
         kept = evaluate(mask)
         valid = kept if valid is None else valid & kept
     count = valid.sum() if valid is not None else torch.tensor(values.shape[0])

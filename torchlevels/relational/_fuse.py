@@ -109,6 +109,8 @@ def _reduce_one(values: torch.Tensor, keep, how: str):
 def _reduction_kernel(plan_value, plan_mask, plan_gid, how: str, groups: int, tensors):
     values = _run(plan_value, tensors)
     keep = None if plan_mask is None else _run(plan_mask, tensors)
+    if plan_gid is None and groups == -1:  # the total and the number of rows it covers
+        return _reduce_one(values, keep, how), _reduce_one(values, keep, "rows")
     if plan_gid is None:
         return _reduce_one(values, keep, how)
     gid = _run(plan_gid, tensors)
@@ -150,6 +152,12 @@ def evaluate(node) -> torch.Tensor:
         return node
     tensors: list = []
     return _run(_flatten(node, tensors, {}), tensors)
+
+
+def reduce_counted(values, mask, how: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``reduce(values, mask, None, 0, how)`` and the number of rows it covered, from
+    one kernel."""
+    return reduce(values, mask, None, -1, how)
 
 
 def reduce(values, mask, gid, groups: int, how: str) -> torch.Tensor:

@@ -77,12 +77,38 @@ def where(condition, rows, other=_MISSING, *, keep: Dim | None = None):
     cache = condition._where_cache
     if cache is None:
         selection = Selection(_physical_mask(condition))
-        cache = condition._where_cache = (Dim(name, selection.count()), selection)
+        cache = condition._where_cache = (FilterDim(name, selection), selection)
     new, selection = cache
     if isinstance(rows, Column):
         return new, _filtered(rows, condition, selection, new)
     return new, Rows({name: _filter_taker(rows, name, condition, selection, new)
                       for name in rows.column_names}, (new,))
+
+
+class FilterDim(Dim):
+    """The dim of a filter's rows: its size, the number of rows kept, is counted on first
+    use (aggregates over it apply the mask and need no count)."""
+
+    __slots__ = ("_selection",)
+
+    def __init__(self, name: str, selection: Selection) -> None:
+        super().__init__(name)
+        self._selection = selection
+
+    @property
+    def size(self) -> int:
+        if self._size < 0:
+            self._size = self._selection.count()
+        return self._size
+
+    @size.setter
+    def size(self, size: int) -> None:
+        _ = self.size  # counted first, so that a different size is an error naming both
+        Dim.size.fset(self, size)
+
+    @property
+    def is_bound(self) -> bool:
+        return True
 
 
 def _physical_mask(condition: Column):
