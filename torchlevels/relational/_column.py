@@ -210,6 +210,12 @@ class Column:
         return Column(values, kind, dims=self.dims, valid=valid, dictionary=dictionary,
                       groups=self.groups, name=name or self.name)
 
+    def to(self, device: str | torch.device) -> Column:
+        """The column with its values (and nulls) on ``device``."""
+        valid = None if self.valid is None else self.valid.to(device)
+        return Column(self.values.to(device), self.kind, dims=self.dims, valid=valid,
+                      dictionary=self.dictionary, groups=self.groups, name=self.name)
+
     def take(self, index: torch.Tensor, dims: tuple[Dim, ...] = (), groups=None) -> Column:
         """The column at rows ``index`` (``-1`` gives a null), as a column over ``dims``."""
         missing = index < 0
@@ -523,6 +529,10 @@ def _fusable(a: Column, b: Column) -> Column | None:
     return None
 
 
+def _device(c: Column) -> torch.device:
+    return c.data.device
+
+
 def _rows(c: Column) -> int:
     return c.data.rows if isinstance(c.data, Expr) else c.data.shape[0]
 
@@ -690,22 +700,24 @@ def reduce_all(col: Column, how: str):
         mask = Expr("lt", (groups.gid, groups.size))  # rows a filter left out of every group
         count = groups.sizes.sum
     elif col.selection is not None:
-        mask, count = col.selection.mask, lambda: torch.tensor(col.selection.count())
+        mask = col.selection.mask
+        count = lambda: torch.tensor(col.selection.count(), device=_device(col))
     else:
-        mask, count = None, lambda: torch.tensor(_rows(col))
+        mask, count = None, lambda: torch.tensor(_rows(col), device=_device(col))
     if col.valid is None and how != "count_distinct":
         if how == "count":
             return count(), None
         total, rows = reduce_counted(col.data, mask, "sum" if how == "mean" else how)
         if int(rows) == 0:  # SQL: an aggregate of no rows is null
-            zero = torch.zeros((), dtype=torch.float64) if how == "mean" else total.new_zeros(())
-            return zero, torch.tensor(False)
-        return (total / rows if how == "mean" else total), None
+            zero = total.new_zeros((), dtype=torch.float64 if how == "mean" else total.dtype)
+            return zero, torch.tensor(False, device=total.device)
+        return (total.double() / rows if how == "mean" else total), None
     values, valid = col.values.reshape(-1), col.valid
     if mask is not None and col.selection is None:  # grouped rows, some left out
         kept = evaluate(mask)
         valid = kept if valid is None else valid & kept
-    count = valid.sum() if valid is not None else torch.tensor(values.shape[0])
+    count = valid.sum() if valid is not None else torch.tensor(values.shape[0],
+                                                                device=values.device)
     if how == "count":
         return count, None
     if how == "count_distinct":
@@ -729,7 +741,7 @@ def reduce_groups(col: Column, groups: Grouping, how: str):
     k = groups.size
     if col.valid is None and how in ("sum", "mean", "min", "max") and k <= SMALL_GROUPS:
         out = reduce(col.data, None, groups.gid, k, "sum" if how == "mean" else how)
-        return (out / groups.sizes if how == "mean" else out), None
+        return (out.double() / groups.sizes if how == "mean" else out), None
     gid = groups.ids()
     values, valid = col.values.reshape(-1), col.valid
     if valid is not None:
@@ -818,6 +830,14 @@ class Cross:
 
     def describe(self) -> str:
         return f"the predicate {self.name} over {', '.join(map(repr, self.dims))}"
+
+    @property
+    def device(self) -> torch.device:
+        """Where the columns it reads live."""
+        for a in self.args:
+            if isinstance(a, Column | Cross):
+                return a.data.device if isinstance(a, Column) else a.device
+        return torch.device("cpu")
 
     def __repr__(self) -> str:
         return f"Cross({self.describe()})"

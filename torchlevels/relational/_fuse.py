@@ -98,7 +98,9 @@ def _reduce_one(values: torch.Tensor, keep, how: str):
     if how == "count":  # of the true values of a boolean expression
         return torch.count_nonzero(values if keep is None else values & keep)
     if how == "rows":
-        return torch.count_nonzero(keep) if keep is not None else torch.tensor(values.shape[0])
+        if keep is not None:
+            return torch.count_nonzero(keep)
+        return torch.tensor(values.shape[0], device=values.device)
     if keep is not None:
         values = torch.where(keep, values, _identity(values, how))
     if how == "sum":

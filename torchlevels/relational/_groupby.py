@@ -50,8 +50,9 @@ class Grouped:
         if self._keys is None:
             gid = self._gid = evaluate(self._gid)
             n = gid.shape[0]
-            first = torch.full((self.size + 1,), n, dtype=torch.long).scatter_reduce_(
-                0, gid, torch.arange(n), "amin")[:self.size]
+            first = torch.full((self.size + 1,), n, dtype=torch.long, device=gid.device)
+            first = first.scatter_reduce_(0, gid, torch.arange(n, device=gid.device),
+                                          "amin")[:self.size]
             self._keys = Table({k: self._physical(k).take(first) for k in self.key_names})
         return self._keys
 
@@ -99,7 +100,7 @@ def on_physical_rows(col: Column, selection: Selection | None) -> Column:
     index = selection.index()
     n = selection.tensor().shape[0]
     values = col.values.new_zeros(n).index_put_((index,), col.values)
-    valid = torch.zeros(n, dtype=torch.bool).index_put_(
+    valid = torch.zeros(n, dtype=torch.bool, device=index.device).index_put_(
         (index,), col.valid if col.valid is not None else torch.ones_like(index, dtype=torch.bool))
     return Column(values, col.kind, valid=valid, dictionary=col.dictionary, name=col.name)
 
@@ -175,13 +176,15 @@ def group_ids(keys: list[Column], mask=None):
             counts = torch.bincount(combined, minlength=total + 1)[:total]
         present = counts > 0
         size = int(present.sum())
-        remap = torch.cat([torch.cumsum(present, 0) - 1, torch.tensor([size])])
+        remap = torch.cat([torch.cumsum(present, 0) - 1,
+                           torch.tensor([size], device=present.device)])
         gid = Expr("lookup", (combined, remap)) if total <= SMALL_GROUPS else remap[combined]
         return gid, size, counts[present], _decode(coded, torch.nonzero(present).squeeze(1))
     if mask is not None:  # rank only the rows kept
         kept = torch.nonzero(evaluate(mask)).squeeze(1)
         gid, size, _, _ = group_ids([k.take(kept) for k in keys])
-        return torch.full((n,), size, dtype=torch.long).index_put_((kept,), gid), size, None, None
+        out = torch.full((n,), size, dtype=torch.long, device=kept.device)
+        return out.index_put_((kept,), gid), size, None, None
     ranked = [torch.unique(k.codes, return_inverse=True) for k in coded]
     combined, span = torch.zeros_like(coded[0].codes), 1
     for uniq, inv in ranked:

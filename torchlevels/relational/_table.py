@@ -118,9 +118,7 @@ class Table:
         desc = [descending] * len(by) if isinstance(descending, bool) else list(descending)
         if len(desc) != len(by):
             raise ValueError(f"sort: {len(by)} columns but {len(desc)} descending flags")
-        first = next(iter(self._columns.values()), None)
-        device = first.values.device if first is not None else None
-        index = torch.arange(self._num_rows, device=device)
+        index = torch.arange(self._num_rows, device=self.device)
         for name, d in reversed(list(zip(by, desc))):
             col = self[name]
             order = torch.argsort(col.values[index], stable=True, descending=d)
@@ -135,7 +133,24 @@ class Table:
 
     def head(self, n: int = 5) -> Table:
         """The first ``n`` rows."""
-        return self.take(torch.arange(min(n, self._num_rows)))
+        return self.take(torch.arange(min(n, self._num_rows), device=self.device))
+
+    @property
+    def device(self) -> torch.device:
+        """Where the columns live."""
+        first = next(iter(self._columns.values()), None)
+        return first.data.device if first is not None else torch.device("cpu")
+
+    def to(self, device: str | torch.device) -> Table:
+        """The table with every column on ``device`` (e.g. ``"cuda"``).
+
+        Example::
+
+            >>> from torchlevels.relational import Table
+            >>> Table({"x": [1, 2]}).to("cpu").device
+            device(type='cpu')
+        """
+        return Table({name: c.to(device) for name, c in self._columns.items()})
 
     def to_arrow(self) -> pa.Table:
         """The table as a ``pyarrow.Table``."""
@@ -211,6 +226,7 @@ class Rows:
         if set(dims) == set(self.dims) and len(dims) == len(self.dims) and (
                 g is not None or len(dims) == 1):
             n = g.sizes.sum() if g is not None else torch.tensor(dims[0].size)
+            n = n.to(g.sizes.device) if g is not None else n
             return Column(n, "int", name="count(*)")
         raise ValueError(f"count{dims!r}: these rows are over {self.dims!r}; count over all "
                          "of them (or over the jagged dim of grouped rows)")

@@ -222,7 +222,7 @@ def _join_pairs(condition: Cross, A: Dim, B: Dim) -> tuple[torch.Tensor, torch.T
         ka, kb = equal.args if equal.args[0].dims[0] is A else equal.args[::-1]
         ia, ib = _equi_join(ka, kb, masks.get(A), masks.get(B))
         return _filter_pairs(rest, A, B, ia, ib)
-    ia, ib = (_rows_where(masks.get(d), d.size) for d in (A, B))
+    ia, ib = (_rows_where(masks.get(d), d.size, condition.device) for d in (A, B))
     block = max(1, BLOCK_ELEMENTS // max(1, ib.shape[0]))
     out_a, out_b = [ia[:0]], [ib[:0]]
     for start in range(0, ia.shape[0], block):
@@ -256,8 +256,8 @@ def _filter_pairs(parts, A: Dim, B: Dim, ia: torch.Tensor, ib: torch.Tensor):
     return ia[keep], ib[keep]
 
 
-def _rows_where(mask: torch.Tensor | None, n: int) -> torch.Tensor:
-    return torch.arange(n) if mask is None else torch.nonzero(mask).squeeze(1)
+def _rows_where(mask: torch.Tensor | None, n: int, device=None) -> torch.Tensor:
+    return torch.arange(n, device=device) if mask is None else torch.nonzero(mask).squeeze(1)
 
 
 def _equi_join(ka: Column, kb: Column, mask_a: torch.Tensor | None,
@@ -273,11 +273,12 @@ def _equi_join(ka: Column, kb: Column, mask_a: torch.Tensor | None,
     count_a = va.shape[0] if mask_a is None else int(torch.count_nonzero(mask_a))
     count_b = vb.shape[0] if mask_b is None else int(torch.count_nonzero(mask_b))
     if count_a == 0 or count_b == 0:
-        return torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long)
+        none = torch.zeros(0, dtype=torch.long, device=va.device)
+        return none, none
     swap = count_a < count_b
     (probe, probe_mask), (build, build_mask) = ((vb, mask_b), (va, mask_a)) if swap else (
         (va, mask_a), (vb, mask_b))
-    build_rows = _rows_where(build_mask, build.shape[0])
+    build_rows = _rows_where(build_mask, build.shape[0], build.device)
     probe_rows, build_pos = _match(probe, probe_mask, build[build_rows])
     out_build = build_rows[build_pos]
     return (out_build, probe_rows) if swap else (probe_rows, out_build)
@@ -303,8 +304,8 @@ def _match(probe: torch.Tensor, probe_mask: torch.Tensor | None, build: torch.Te
         if span <= 4 * (build.shape[0] + probe.shape[0]) + 1024:
             b, p = (build, probe) if lo == 0 else (build - lo, probe - lo)
             index_type = torch.int32 if build.shape[0] < 2 ** 31 else torch.long
-            rows = torch.arange(build.shape[0], dtype=index_type)
-            position = torch.full((span,), -1, dtype=index_type)
+            rows = torch.arange(build.shape[0], dtype=index_type, device=build.device)
+            position = torch.full((span,), -1, dtype=index_type, device=build.device)
             position[b] = rows
             if bool((position[b] == rows).all()):  # no key written twice: distinct keys
                 found = position[p]
@@ -313,11 +314,11 @@ def _match(probe: torch.Tensor, probe_mask: torch.Tensor | None, build: torch.Te
                 return probe_rows, found[probe_rows].long()
             per_key = torch.bincount(b, minlength=span)
             key_start = torch.cumsum(per_key, 0) - per_key
-            kept = _rows_where(probe_mask, probe.shape[0])
+            kept = _rows_where(probe_mask, probe.shape[0], probe.device)
             pk = p[kept]
             pos, build_pos = _expand(key_start[pk], per_key[pk], torch.argsort(b, stable=True))
             return kept[pos], build_pos
-    kept = _rows_where(probe_mask, probe.shape[0])
+    kept = _rows_where(probe_mask, probe.shape[0], probe.device)
     build_sorted, order = torch.sort(build, stable=True)
     start = torch.searchsorted(build_sorted, probe[kept], right=False)
     end = torch.searchsorted(build_sorted, probe[kept], right=True)
@@ -341,16 +342,17 @@ def _min_max(keys: torch.Tensor) -> tuple[int, int]:
 
 def _expand(start: torch.Tensor, count: torch.Tensor, order: torch.Tensor):
     """Probe row ``p`` matches build rows ``order[start[p] : start[p] + count[p]]``."""
-    probe_pos = torch.repeat_interleave(torch.arange(count.shape[0]), count)
+    probe_pos = torch.repeat_interleave(torch.arange(count.shape[0], device=count.device),
+                                        count)
     offsets = torch.cumsum(count, 0) - count
-    within = torch.arange(probe_pos.shape[0]) - offsets[probe_pos]
+    within = torch.arange(probe_pos.shape[0], device=count.device) - offsets[probe_pos]
     return probe_pos, order[start[probe_pos] + within]
 
 
 def _keep_unmatched(ia, ib, keep_a: bool, n: int):
     """Add each row of the kept dim that has no match, paired with ``-1`` (a null row)."""
     kept = ia if keep_a else ib
-    matched = torch.zeros(n, dtype=torch.bool)
+    matched = torch.zeros(n, dtype=torch.bool, device=kept.device)
     matched[kept] = True
     lonely = torch.nonzero(~matched).squeeze(1)
     none = torch.full_like(lonely, -1)
