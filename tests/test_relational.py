@@ -403,3 +403,37 @@ def test_a_filters_dim_counts_its_rows_when_asked(people):
     assert P2.is_bound and P2.size == 3
     with pytest.raises(DimensionBindError, match="size 3 cannot bind to a dimension of size 6"):
         people[P2]
+
+
+_JOIN_MEMORY = """
+import resource, sys, torch
+from torchlevels.dim import dims
+from torchlevels.relational import Table, cat, where
+n, m = 2_000_000, 200_000
+gen = torch.Generator().manual_seed(0)
+orders = Table({"cust": torch.randint(0, m, (n,), generator=gen), "x": torch.rand(n)})
+customers = Table({"id": torch.randperm(m, generator=gen), "y": torch.rand(m)})
+inputs = sum(c.values.nbytes for t in (orders, customers) for c in t.columns.values())
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+O, C = dims(2)
+o, c = orders[O], customers[C]
+OC, oc = where(o["cust"] == c["id"], cat(o, c))
+joined = oc["y"].values  # the join's pairs, and one column gathered through them
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+print(OC.size, inputs, peak - before)
+"""
+
+
+def test_a_join_stays_within_three_times_its_inputs_in_memory():
+    """2M orders joined to 200K customers (an outer product of 4e11 pairs): the peak
+    memory the join adds (its row pairs and a gathered column) is measured in a fresh
+    process."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _JOIN_MEMORY], capture_output=True, text=True,
+                         check=True).stdout.split()
+    pairs, inputs, extra = map(int, out)
+    assert pairs == 2_000_000  # every order has its one customer
+    assert extra <= 3 * inputs, f"the join took {extra / 2**20:.0f} MiB beyond its " \
+        f"{inputs / 2**20:.0f} MiB of inputs"

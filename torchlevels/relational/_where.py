@@ -311,7 +311,7 @@ def _match(probe: torch.Tensor, probe_mask: torch.Tensor | None, build: torch.Te
                 found = position[p]
                 hit = found >= 0 if probe_mask is None else (found >= 0) & probe_mask
                 probe_rows = torch.nonzero(hit).squeeze(1)
-                return probe_rows, found[probe_rows].long()
+                return probe_rows, found[probe_rows]
             per_key = torch.bincount(b, minlength=span)
             key_start = torch.cumsum(per_key, 0) - per_key
             kept = _rows_where(probe_mask, probe.shape[0], probe.device)
