@@ -62,21 +62,23 @@ class Expr:
         return f"Expr({self.op}, {self.args!r})"
 
 
-def _flatten(node, tensors: list, seen: dict[int, int]):
-    """A hashable description of ``node`` whose leaves index ``tensors``."""
+def _flatten(node, tensors: list, seen: dict[int, int], leaf: str = "leaf"):
+    """A hashable description of ``node`` whose leaves index ``tensors``: ``leaf`` for a
+    tensor with a value per row, ``table`` for a lookup table."""
     if isinstance(node, Expr):
-        return (node.op, *(_flatten(a, tensors, seen) for a in node.args))
+        kinds = ("leaf", "table") if node.op == "lookup" else ("leaf",) * len(node.args)
+        return (node.op, *(_flatten(a, tensors, seen, k) for a, k in zip(node.args, kinds)))
     if isinstance(node, torch.Tensor):
         k = seen.setdefault(id(node), len(tensors))
         if k == len(tensors):
             tensors.append(node)
-        return ("leaf", k)
+        return (leaf if node.ndim == 1 else "table", k)
     return ("const", node)
 
 
 def _run(plan, tensors):
     op = plan[0]
-    if op == "leaf":
+    if op in ("leaf", "table"):
         return tensors[plan[1]]
     if op == "const":
         return plan[1]
@@ -154,6 +156,24 @@ def evaluate(node) -> torch.Tensor:
         return node
     tensors: list = []
     return _run(_flatten(node, tensors, {}), tensors)
+
+
+def evaluate_at(node, rows: torch.Tensor) -> torch.Tensor:
+    """The values of an expression at ``rows`` only: its columns are gathered first."""
+    if not isinstance(node, Expr):
+        return node[rows]
+    tensors: list = []
+    plan = _flatten(node, tensors, {})
+    leaves = {p[1] for p in _leaves(plan) if p[0] == "leaf"}
+    return _run(plan, [t[rows] if k in leaves else t for k, t in enumerate(tensors)])
+
+
+def _leaves(plan):
+    if plan[0] in ("leaf", "table"):
+        yield plan
+    elif plan[0] != "const":
+        for p in plan[1:]:
+            yield from _leaves(p)
 
 
 def reduce_counted(values, mask, how: str) -> tuple[torch.Tensor, torch.Tensor]:

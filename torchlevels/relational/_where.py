@@ -24,7 +24,7 @@ from torchlevels.relational._column import (
     _comparable,
     _rows,
 )
-from torchlevels.relational._fuse import Expr
+from torchlevels.relational._fuse import Expr, evaluate_at
 from torchlevels.relational._table import Rows
 
 _MISSING = object()
@@ -207,22 +207,20 @@ def _join(condition: Cross, rows, keep: Dim | None, name: str):
 
 def _join_pairs(condition: Cross, A: Dim, B: Dim) -> tuple[torch.Tensor, torch.Tensor]:
     """Row pairs ``(ia, ib)`` of dims ``A`` and ``B`` where ``condition`` is true."""
-    masks: dict[Dim, torch.Tensor] = {}
+    filters: dict[Dim, list[Column]] = {A: [], B: []}
     equal, rest = None, []
     for part in condition.conjuncts():
         if isinstance(part, Column) and len(part.dims) == 1 and part.dims[0] in {A, B}:
-            m = part.values if part.valid is None else part.values & part.valid
-            d = part.dims[0]
-            masks[d] = m if d not in masks else masks[d] & m
+            filters[part.dims[0]].append(part)
         elif equal is None and _is_equality(part):
             equal = part
         else:
             rest.append(part)
     if equal is not None:
         ka, kb = equal.args if equal.args[0].dims[0] is A else equal.args[::-1]
-        ia, ib = _equi_join(ka, kb, masks.get(A), masks.get(B))
+        ia, ib = _equi_join(ka, kb, filters[A], filters[B])
         return _filter_pairs(rest, A, B, ia, ib)
-    ia, ib = (_rows_where(masks.get(d), d.size, condition.device) for d in (A, B))
+    ia, ib = (_rows_where(_mask_of(filters[d]), d.size, condition.device) for d in (A, B))
     block = max(1, BLOCK_ELEMENTS // max(1, ib.shape[0]))
     out_a, out_b = [ia[:0]], [ib[:0]]
     for start in range(0, ia.shape[0], block):
@@ -260,28 +258,48 @@ def _rows_where(mask: torch.Tensor | None, n: int, device=None) -> torch.Tensor:
     return torch.arange(n, device=device) if mask is None else torch.nonzero(mask).squeeze(1)
 
 
-def _equi_join(ka: Column, kb: Column, mask_a: torch.Tensor | None,
-               mask_b: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Row pairs with equal non-null keys among the rows where each mask holds (None:
-    all). The side with fewer rows is the build side (see ``_match``)."""
+def _equi_join(ka: Column, kb: Column, filters_a: list[Column],
+               filters_b: list[Column]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row pairs with equal non-null keys among the rows each side's filters keep. The
+    side with fewer rows builds (its filters first, see ``_match``); the other side's
+    filters are evaluated on its matched rows only."""
     ka, kb = _comparable(ka, kb, "==")
     va, vb = ka.values, kb.values
     if va.dtype != vb.dtype:
         dtype = torch.promote_types(va.dtype, vb.dtype)
         va, vb = va.to(dtype), vb.to(dtype)
-    mask_a, mask_b = _and(mask_a, ka.valid), _and(mask_b, kb.valid)
-    count_a = va.shape[0] if mask_a is None else int(torch.count_nonzero(mask_a))
-    count_b = vb.shape[0] if mask_b is None else int(torch.count_nonzero(mask_b))
-    if count_a == 0 or count_b == 0:
+    swap = va.shape[0] < vb.shape[0]
+    a, b = (va, ka.valid, filters_a), (vb, kb.valid, filters_b)
+    (probe, probe_valid, probe_filters), (build, build_valid, build_filters) = (
+        (b, a) if swap else (a, b))
+    build_rows = _rows_where(_and(_mask_of(build_filters), build_valid), build.shape[0],
+                             build.device)
+    if build_rows.numel() == 0 or probe.numel() == 0:
         none = torch.zeros(0, dtype=torch.long, device=va.device)
         return none, none
-    swap = count_a < count_b
-    (probe, probe_mask), (build, build_mask) = ((vb, mask_b), (va, mask_a)) if swap else (
-        (va, mask_a), (vb, mask_b))
-    build_rows = _rows_where(build_mask, build.shape[0], build.device)
-    probe_rows, build_pos = _match(probe, probe_mask, build[build_rows])
+    probe_rows, build_pos = _match(probe, probe_valid, build[build_rows])
+    for f in probe_filters:
+        keep = _true_at(f, probe_rows)
+        probe_rows, build_pos = probe_rows[keep], build_pos[keep]
     out_build = build_rows[build_pos]
     return (out_build, probe_rows) if swap else (probe_rows, out_build)
+
+
+def _mask_of(filters: list[Column]) -> torch.Tensor | None:
+    """Where every filter is true (not null); None for no filters."""
+    mask = None
+    for f in filters:
+        m = f.values if f.valid is None else f.values & f.valid
+        mask = m if mask is None else mask & m
+    return mask
+
+
+def _true_at(f: Column, rows: torch.Tensor) -> torch.Tensor:
+    """Whether filter ``f`` is true (not null) at ``rows``, computed at those rows only."""
+    if f.valid is None and f.selection is None:
+        return evaluate_at(f.data, rows)
+    m = f.values[rows]
+    return m if f.valid is None else m & f.valid[rows]
 
 
 def _and(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
