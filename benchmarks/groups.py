@@ -565,12 +565,19 @@ def tpch_group() -> list[Benchmark]:
     def on(query, tables):
         return lambda: _numbers(query(tables))
 
-    return [Benchmark(f"TPC-H {name.upper()} (SF1)", {
-        TORCH_FUNC: duck(name),
-        TORCHLEVELS: on(lambda t, name=name: tpch.run(name, t), ours),
-        POLARS: on(getattr(ref, f"polars_{name}"), frames_pl),
-        PANDAS: on(getattr(ref, f"pandas_{name}"), frames_pd),
-    }, 1.5, notes=(load_note,) if name == "q1" else ()) for name in ("q1", "q3", "q6")]
+    benchmarks = []
+    for name in ("q1", "q3", "q6"):
+        _, first = timed(lambda name=name: tpch.run(name, ours))
+        notes = (load_note,) if name == "q1" else ()
+        notes += (f"torchlevels' first call (compiling its fused kernels, once per process): "
+                  f"{first:.1f} s.",)
+        benchmarks.append(Benchmark(f"TPC-H {name.upper()} (SF1)", {
+            TORCH_FUNC: duck(name),
+            TORCHLEVELS: on(lambda t, name=name: tpch.run(name, t), ours),
+            POLARS: on(getattr(ref, f"polars_{name}"), frames_pl),
+            PANDAS: on(getattr(ref, f"pandas_{name}"), frames_pd),
+        }, 1.5, notes=notes))
+    return benchmarks
 
 
 GROUPS: dict[str, Group] = {
@@ -691,9 +698,12 @@ GROUPS: dict[str, Group] = {
         "the SQL in `examples/tpch.py` (ratio = torchlevels / DuckDB); torchlevels runs the "
         "functions of `examples/tpch.py`; Polars and pandas run "
         "`benchmarks/tpch_reference.py`. Before timing, the numeric columns of every "
-        "engine's result are checked against DuckDB's. torchlevels runs eagerly: every "
-        "column op is one torch kernel over the whole column, with no fusion. Target from "
-        "the issue: ratio <= 1.5 on each, faster than Polars and pandas.",
+        "engine's result are checked against DuckDB's. In torchlevels, column ops record "
+        "expressions; an aggregate over 1M+ rows runs its expression, the filter's mask "
+        "and (for up to 16 groups) the group ids as one torch.compile'd kernel, compiled "
+        "on the first call (the warm-up, not timed; the compile times are in the note "
+        "below); joins look keys up in a position table. Target from the issue: ratio "
+        "<= 1.5 on each, faster than Polars and pandas.",
         tpch_group,
         ("DuckDB", "torchlevels"),
         threads=2,
