@@ -314,9 +314,17 @@ def _match(probe: torch.Tensor, probe_mask: torch.Tensor | None, build: torch.Te
     build keys (a join to a primary key) the table holds each key's build position, and
     every probe row looks itself up (no gather of the filtered probe keys); else it holds
     where each key's run starts in the build rows sorted by key (a counting sort). Other
-    keys are sorted and binary-searched (a sort-merge join)."""
+    keys are sorted and binary-searched (a sort-merge join). A probe side already sorted
+    (a clustered key, like TPC-H's l_orderkey) is itself binary-searched for each build
+    key, so its rows are never all read."""
+    if probe_mask is None and _facts(probe)[2]:
+        keys, order = torch.sort(build)  # sorted queries search 3x faster (cache)
+        start = torch.searchsorted(probe, keys, right=False)
+        end = torch.searchsorted(probe, keys, right=True)
+        sorted_pos, probe_rows = _expand(start, end - start, None)
+        return probe_rows, order[sorted_pos]
     if not build.is_floating_point():
-        (build_lo, build_hi), (probe_lo, probe_hi) = _min_max(build), _min_max(probe)
+        (build_lo, build_hi, _), (probe_lo, probe_hi, _) = _facts(build), _facts(probe)
         lo = min(0, build_lo, probe_lo)
         span = max(build_hi, probe_hi) - lo + 1
         if span <= 4 * (build.shape[0] + probe.shape[0]) + 1024:
@@ -326,7 +334,7 @@ def _match(probe: torch.Tensor, probe_mask: torch.Tensor | None, build: torch.Te
             position = torch.full((span,), -1, dtype=index_type, device=build.device)
             position[b] = rows
             if bool((position[b] == rows).all()):  # no key written twice: distinct keys
-                found = position[p]
+                found = torch.take(position, p)  # faster than position[p] here
                 hit = found >= 0 if probe_mask is None else (found >= 0) & probe_mask
                 probe_rows = torch.nonzero(hit).squeeze(1)
                 return probe_rows, found[probe_rows]
@@ -344,27 +352,31 @@ def _match(probe: torch.Tensor, probe_mask: torch.Tensor | None, build: torch.Te
     return kept[pos], build_pos
 
 
-_MIN_MAX: dict[int, tuple[weakref.ref, int, int]] = {}
+_FACTS: dict[int, tuple] = {}
 
 
-def _min_max(keys: torch.Tensor) -> tuple[int, int]:
-    """The smallest and largest key, remembered per tensor while it lives (a table's
-    columns are joined again and again)."""
-    seen = _MIN_MAX.get(id(keys))
+def _facts(keys: torch.Tensor) -> tuple:
+    """(smallest, largest, sorted?) of a key column, remembered per tensor while it lives
+    (a table's columns are joined again and again)."""
+    seen = _FACTS.get(id(keys))
     if seen is None or seen[0]() is not keys:
         key = id(keys)
-        seen = _MIN_MAX[key] = (weakref.ref(keys, lambda _: _MIN_MAX.pop(key, None)),
-                                int(keys.min()), int(keys.max()))
-    return seen[1], seen[2]
+        ordered = keys.numel() < 2 or bool((keys[1:] >= keys[:-1]).all())
+        lo, hi = (int(keys.min()), int(keys.max())) if keys.numel() else (0, 0)
+        seen = _FACTS[key] = (weakref.ref(keys, lambda _: _FACTS.pop(key, None)),
+                              lo, hi, ordered)
+    return seen[1:]
 
 
-def _expand(start: torch.Tensor, count: torch.Tensor, order: torch.Tensor):
-    """Probe row ``p`` matches build rows ``order[start[p] : start[p] + count[p]]``."""
+def _expand(start: torch.Tensor, count: torch.Tensor, order: torch.Tensor | None):
+    """Row ``p`` of one side matches rows ``order[start[p] : start[p] + count[p]]`` of
+    the other (``order`` None: the rows themselves)."""
     probe_pos = torch.repeat_interleave(torch.arange(count.shape[0], device=count.device),
                                         count)
     offsets = torch.cumsum(count, 0) - count
     within = torch.arange(probe_pos.shape[0], device=count.device) - offsets[probe_pos]
-    return probe_pos, order[start[probe_pos] + within]
+    matched = start[probe_pos] + within
+    return probe_pos, matched if order is None else order[matched]
 
 
 def _keep_unmatched(ia, ib, keep_a: bool, n: int):
