@@ -437,3 +437,17 @@ def test_a_join_stays_within_three_times_its_inputs_in_memory():
     assert pairs == 2_000_000  # every order has its one customer
     assert extra <= 3 * inputs, f"the join took {extra / 2**20:.0f} MiB beyond its " \
         f"{inputs / 2**20:.0f} MiB of inputs"
+
+
+def test_joins_see_keys_written_in_place():
+    keys = torch.arange(10)
+    a, b = Table({"k": keys}), Table({"j": torch.tensor([3, 100])})
+
+    def matches():
+        A, B = dims(2)
+        AB, ab = where(a[A]["k"] == b[B]["j"], cat(a[A], b[B]))
+        return column(ab["k"].order(AB))
+
+    assert matches() == [3]
+    keys[0] = 100  # no longer sorted, and a new largest key
+    assert sorted(matches()) == [3, 100]

@@ -357,15 +357,15 @@ _FACTS: dict[int, tuple] = {}
 
 def _facts(keys: torch.Tensor) -> tuple:
     """(smallest, largest, sorted?) of a key column, remembered per tensor while it lives
-    (a table's columns are joined again and again)."""
+    and is not written to (a table's columns are joined again and again)."""
     seen = _FACTS.get(id(keys))
-    if seen is None or seen[0]() is not keys:
+    if seen is None or seen[0]() is not keys or seen[1] != keys._version:
         key = id(keys)
         ordered = keys.numel() < 2 or bool((keys[1:] >= keys[:-1]).all())
         lo, hi = (int(keys.min()), int(keys.max())) if keys.numel() else (0, 0)
         seen = _FACTS[key] = (weakref.ref(keys, lambda _: _FACTS.pop(key, None)),
-                              lo, hi, ordered)
-    return seen[1:]
+                              keys._version, lo, hi, ordered)
+    return seen[2:]
 
 
 def _expand(start: torch.Tensor, count: torch.Tensor, order: torch.Tensor | None):
