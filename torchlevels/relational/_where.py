@@ -314,17 +314,9 @@ def _match(probe: torch.Tensor, probe_mask: torch.Tensor | None, build: torch.Te
     build keys (a join to a primary key) the table holds each key's build position, and
     every probe row looks itself up (no gather of the filtered probe keys); else it holds
     where each key's run starts in the build rows sorted by key (a counting sort). Other
-    keys are sorted and binary-searched (a sort-merge join). A probe side already sorted
-    (a clustered key, like TPC-H's l_orderkey) is itself binary-searched for each build
-    key, so its rows are never all read."""
-    if probe_mask is None and _facts(probe)[2]:
-        keys, order = torch.sort(build)  # sorted queries search 3x faster (cache)
-        start = torch.searchsorted(probe, keys, right=False)
-        end = torch.searchsorted(probe, keys, right=True)
-        sorted_pos, probe_rows = _expand(start, end - start, None)
-        return probe_rows, order[sorted_pos]
+    keys are sorted and binary-searched (a sort-merge join)."""
     if not build.is_floating_point():
-        (build_lo, build_hi, _), (probe_lo, probe_hi, _) = _facts(build), _facts(probe)
+        (build_lo, build_hi), (probe_lo, probe_hi) = _min_max(build), _min_max(probe)
         lo = min(0, build_lo, probe_lo)
         span = max(build_hi, probe_hi) - lo + 1
         if span <= 4 * (build.shape[0] + probe.shape[0]) + 1024:
@@ -352,31 +344,27 @@ def _match(probe: torch.Tensor, probe_mask: torch.Tensor | None, build: torch.Te
     return kept[pos], build_pos
 
 
-_FACTS: dict[int, tuple] = {}
+_MIN_MAX: dict[int, tuple] = {}
 
 
-def _facts(keys: torch.Tensor) -> tuple:
-    """(smallest, largest, sorted?) of a key column, remembered per tensor while it lives
-    and is not written to (a table's columns are joined again and again)."""
-    seen = _FACTS.get(id(keys))
+def _min_max(keys: torch.Tensor) -> tuple[int, int]:
+    """The smallest and largest key, remembered per tensor while it lives and is not
+    written to (a table's columns are joined again and again)."""
+    seen = _MIN_MAX.get(id(keys))
     if seen is None or seen[0]() is not keys or seen[1] != keys._version:
         key = id(keys)
-        ordered = keys.numel() < 2 or bool((keys[1:] >= keys[:-1]).all())
-        lo, hi = (int(keys.min()), int(keys.max())) if keys.numel() else (0, 0)
-        seen = _FACTS[key] = (weakref.ref(keys, lambda _: _FACTS.pop(key, None)),
-                              keys._version, lo, hi, ordered)
-    return seen[2:]
+        seen = _MIN_MAX[key] = (weakref.ref(keys, lambda _: _MIN_MAX.pop(key, None)),
+                                keys._version, int(keys.min()), int(keys.max()))
+    return seen[2], seen[3]
 
 
-def _expand(start: torch.Tensor, count: torch.Tensor, order: torch.Tensor | None):
-    """Row ``p`` of one side matches rows ``order[start[p] : start[p] + count[p]]`` of
-    the other (``order`` None: the rows themselves)."""
+def _expand(start: torch.Tensor, count: torch.Tensor, order: torch.Tensor):
+    """Probe row ``p`` matches build rows ``order[start[p] : start[p] + count[p]]``."""
     probe_pos = torch.repeat_interleave(torch.arange(count.shape[0], device=count.device),
                                         count)
     offsets = torch.cumsum(count, 0) - count
     within = torch.arange(probe_pos.shape[0], device=count.device) - offsets[probe_pos]
-    matched = start[probe_pos] + within
-    return probe_pos, matched if order is None else order[matched]
+    return probe_pos, order[start[probe_pos] + within]
 
 
 def _keep_unmatched(ia, ib, keep_a: bool, n: int):
