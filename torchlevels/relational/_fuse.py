@@ -134,7 +134,8 @@ def _compiled(kernel, *static):
     # function, and each query would otherwise take one of them)
     scope = {"kernel": kernel, "static": static}
     exec("def fused(tensors):\n    return kernel(*static, tensors)\n", scope)
-    return torch.compile(scope["fused"], dynamic=False)
+    # the first call compiles for its sizes; other sizes get one size-generic kernel
+    return torch.compile(scope["fused"])
 
 
 def _call(kernel, static: tuple, tensors: list, rows: int):
