@@ -340,7 +340,7 @@ def test_random_filter_groupby_matches_duckdb(rows, threshold):
     assert_same_rows(our_rows(out), theirs)
 
 
-@pytest.mark.parametrize("name", ["", "._column", "._table", "._where", "._groupby"])
+@pytest.mark.parametrize("name", ["", "._column", "._table", "._where", "._groupby", "._fuse"])
 def test_docstring_examples(name):
     import doctest
     import importlib

@@ -18,20 +18,17 @@ import datetime
 import operator
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
 from torchlevels.dim import Dim
-from torchlevels.relational._fuse import (
-    OPS,
-    SMALL_GROUPS,
-    Expr,
-    evaluate,
-    reduce,
-    reduce_counted,
-)
+from torchlevels.relational._fuse import OPS, Expr, evaluate
+
+if TYPE_CHECKING:
+    from torchlevels.relational._where import Selection
 
 KINDS = ("int", "float", "bool", "date", "str")
 _EPOCH = datetime.date(1970, 1, 1)
@@ -465,27 +462,27 @@ class Column:
     # -- aggregates over a dim -----------------------------------------------------------
     def sum(self, dim: Dim | tuple[Dim, ...] | None = None) -> Column:
         """Sum over ``dim`` (all dims when None), skipping nulls; null where all are null."""
-        return _aggregate(self, dim, "sum")
+        return aggregate(self, dim, "sum")
 
     def mean(self, dim: Dim | tuple[Dim, ...] | None = None) -> Column:
         """Mean over ``dim`` of the non-null values."""
-        return _aggregate(self, dim, "mean")
+        return aggregate(self, dim, "mean")
 
     def min(self, dim: Dim | tuple[Dim, ...] | None = None) -> Column:
         """Smallest non-null value over ``dim``."""
-        return _aggregate(self, dim, "min")
+        return aggregate(self, dim, "min")
 
     def max(self, dim: Dim | tuple[Dim, ...] | None = None) -> Column:
         """Largest non-null value over ``dim``."""
-        return _aggregate(self, dim, "max")
+        return aggregate(self, dim, "max")
 
     def count(self, dim: Dim | tuple[Dim, ...] | None = None) -> Column:
         """Number of non-null values over ``dim`` (SQL's COUNT(column))."""
-        return _aggregate(self, dim, "count")
+        return aggregate(self, dim, "count")
 
     def count_distinct(self, dim: Dim | tuple[Dim, ...] | None = None) -> Column:
         """Number of distinct non-null values over ``dim`` (COUNT(DISTINCT column))."""
-        return _aggregate(self, dim, "count_distinct")
+        return aggregate(self, dim, "count_distinct")
 
     def order(self, *dims: Dim) -> Column:
         """The column with its dim made positional (a column of a :class:`Table`).
@@ -660,144 +657,6 @@ def _logical(a, b, op: str):
     return Column(values, "bool", dims=a.dims, valid=valid, groups=a.groups, name=name)
 
 
-# -- aggregates --------------------------------------------------------------------------
-def _aggregate(col: Column, dim, how: str) -> Column:
-    dims = col.dims if dim is None else (tuple(dim) if isinstance(dim, tuple) else (dim,))
-    name = f"{how}({col.name})"
-    if col.kind == "str" and how in ("sum", "mean"):
-        raise TypeError(f"cannot {how} {col.describe()}")
-    kind = _agg_kind(col, how)
-    groups = col.groups
-    if groups is not None and set(dims) == {groups.J}:
-        values, valid = reduce_groups(col, groups, how)
-        return Column(values, kind, dims=(groups.G,), valid=valid, dictionary=col.dictionary,
-                      name=name)
-    if groups is not None and set(dims) != {groups.G, groups.J}:
-        raise ValueError(
-            f"{how}{dims!r}: {col.describe()} is grouped by {groups.G!r} with jagged "
-            f"{groups.J!r}; reduce over {groups.J!r} (per group) or over both (all rows)"
-        )
-    if groups is None and (set(dims) != set(col.dims) or len(dims) != len(col.dims)):
-        raise ValueError(f"{how}{dims!r}: {col.describe()} can only be reduced over its dims "
-                         f"{col.dims!r}")
-    value, is_valid = reduce_all(col, how)
-    return Column(value, kind, valid=is_valid, dictionary=col.dictionary, name=name)
-
-
-def _agg_kind(col: Column, how: str) -> str:
-    if how in ("count", "count_distinct"):
-        return "int"
-    if how == "mean":
-        return "float"
-    return "int" if col.kind == "bool" and how == "sum" else col.kind
-
-
-def reduce_all(col: Column, how: str):
-    """``how`` of all of ``col``'s non-null values: (a 0-d value, a 0-d valid flag or
-    None). Without nulls this is one fused kernel under the column's filter."""
-    groups = col.groups
-    if groups is not None and int(groups.sizes.sum()) < _rows(col):
-        mask = Expr("lt", (groups.gid, groups.size))  # rows a filter left out of every group
-        count = groups.sizes.sum
-    elif col.selection is not None:
-        mask = col.selection.mask
-        count = lambda: torch.tensor(col.selection.count(), device=_device(col))
-    else:
-        mask, count = None, lambda: torch.tensor(_rows(col), device=_device(col))
-    if col.valid is None and how != "count_distinct":
-        if how == "count":
-            return count(), None
-        total, rows = reduce_counted(col.data, mask, "sum" if how == "mean" else how)
-        if int(rows) == 0:  # SQL: an aggregate of no rows is null
-            zero = total.new_zeros((), dtype=torch.float64 if how == "mean" else total.dtype)
-            return zero, torch.tensor(False, device=total.device)
-        return (total.double() / rows if how == "mean" else total), None
-    values, valid = col.values.reshape(-1), col.valid
-    if mask is not None and col.selection is None:  # grouped rows, some left out
-        kept = evaluate(mask)
-        valid = kept if valid is None else valid & kept
-    count = valid.sum() if valid is not None else torch.tensor(values.shape[0],
-                                                                device=values.device)
-    if how == "count":
-        return count, None
-    if how == "count_distinct":
-        kept = values if valid is None else values[valid]
-        return torch.tensor(torch.unique(kept).shape[0], device=values.device), None
-    null = None if int(count) > 0 else torch.tensor(False, device=values.device)
-    if how in ("sum", "mean"):
-        v = values.double() if how == "mean" or values.is_floating_point() else values.long()
-        total = (v if valid is None else torch.where(valid, v, 0)).sum()
-        return (total / count.clamp(min=1) if how == "mean" else total), null
-    if null is not None:
-        return values.new_zeros(()), null
-    kept = values if valid is None else values[valid]
-    return (kept.amin() if how == "min" else kept.amax()), None
-
-
-def reduce_groups(col: Column, groups: Grouping, how: str):
-    """``how`` of ``col``'s non-null values per group (rows with ``gid == size`` are in no
-    group); returns (values[size], valid[size] or None). Without nulls, over few groups,
-    this is one fused kernel."""
-    k = groups.size
-    if col.valid is None and how in ("sum", "mean", "min", "max") and k <= SMALL_GROUPS:
-        out = reduce(col.data, None, groups.gid, k, "sum" if how == "mean" else how)
-        return (out.double() / groups.sizes if how == "mean" else out), None
-    gid = groups.ids()
-    values, valid = col.values.reshape(-1), col.valid
-    if valid is not None:
-        gid = torch.where(valid.reshape(-1), gid, k)  # nulls go to the extra group
-    n_valid = groups.sizes if valid is None else torch.bincount(gid, minlength=k + 1)[:k]
-    if how == "count":
-        return n_valid, None
-    if how == "count_distinct":
-        rank = torch.unique(values, return_inverse=True)[1]
-        pairs = torch.unique(gid * (int(rank.max()) + 1 if rank.numel() else 1) + rank)
-        per_group = torch.div(pairs, int(rank.max()) + 1 if rank.numel() else 1,
-                              rounding_mode="floor")
-        return torch.bincount(per_group, minlength=k + 1)[:k], None
-    empty = n_valid == 0
-    null = empty if bool(empty.any()) else None
-    if how in ("sum", "mean"):
-        if values.is_floating_point() or how == "mean":
-            total = torch.bincount(gid, weights=values.double(), minlength=k + 1)[:k]
-        else:
-            total = torch.zeros(k + 1, dtype=torch.int64, device=values.device)
-            total = total.index_add_(0, gid, values.long())[:k]
-        if how == "mean":
-            total = total / n_valid.clamp(min=1)
-        return total, None if null is None else ~null
-    reduce_op = "amin" if how == "min" else "amax"
-    out = torch.zeros(k + 1, dtype=values.dtype, device=values.device)
-    out = out.scatter_reduce_(0, gid, values, reduce_op, include_self=False)[:k]
-    return out, None if null is None else ~null
-
-
-class Selection:
-    """The rows a filter keeps: the physical rows where ``mask`` (an expression or bool
-    tensor over them) holds. Columns over the filter's dim keep their physical values;
-    aggregates apply the mask inside their kernel, anything else gathers the rows."""
-
-    def __init__(self, mask: torch.Tensor | Expr) -> None:
-        self.mask = mask
-        self._count: int | None = None
-        self._index: torch.Tensor | None = None
-
-    def count(self) -> int:
-        if self._count is None:
-            self._count = int(reduce(self.mask, None, None, 0, "count")) if isinstance(
-                self.mask, Expr) else int(torch.count_nonzero(self.mask))
-        return self._count
-
-    def tensor(self) -> torch.Tensor:
-        self.mask = evaluate(self.mask)
-        return self.mask
-
-    def index(self) -> torch.Tensor:
-        if self._index is None:
-            self._index = torch.nonzero(self.tensor()).squeeze(1)
-        return self._index
-
-
 class Cross:
     """A lazy expression over columns bound to different dims: the outer product it
     stands for is never made. ``where`` turns it into a join; ``at(index)`` evaluates it
@@ -887,3 +746,7 @@ def at(x, index: dict[Dim, torch.Tensor], dim: Dim):
         (d,) = x.dims
         return x.take(index[d], (dim,))
     return x
+
+
+# the aggregates build columns: imported once Column exists
+from torchlevels.relational._aggregate import aggregate  # noqa: E402

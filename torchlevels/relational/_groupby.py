@@ -14,9 +14,10 @@ from dataclasses import dataclass
 import torch
 
 from torchlevels.dim import Dim
-from torchlevels.relational._column import Column, Grouping, Selection
+from torchlevels.relational._column import Column, Grouping
 from torchlevels.relational._fuse import SMALL_GROUPS, Expr, evaluate, reduce
 from torchlevels.relational._table import Rows, Table, _unknown
+from torchlevels.relational._where import Selection
 
 DENSE_LIMIT = 1 << 20  # the most candidate groups counted without sorting
 

@@ -1,10 +1,12 @@
 """``where``: filters make a new dim, joins make a dim of matching row pairs, and the
 3-argument form picks values (SQL's CASE WHEN).
 
-A join never makes the outer product: an equality between columns of the two dims runs
-as a sort-merge join (sort one side's keys, binary-search the other's); any other
-predicate is evaluated on those pairs, or, when there is no equality, on blocks of the
-outer product of bounded size.
+A filter keeps its columns' physical rows and a mask (``Selection``), so aggregates over
+its dim apply the mask in their kernel and nothing is gathered unless needed. A join
+never makes the outer product: an equality between columns of the two dims looks keys
+up in a position table (integer keys of small range) or runs a sort-merge join; any
+other predicate is evaluated on those pairs, or, when there is no equality, on blocks of
+the outer product of bounded size.
 """
 
 from __future__ import annotations
@@ -16,15 +18,8 @@ import torch
 
 from torchlevels.dim import Dim
 from torchlevels.dim._dims import _assigned_names
-from torchlevels.relational._column import (
-    Column,
-    Cross,
-    Selection,
-    _aligned,
-    _comparable,
-    _rows,
-)
-from torchlevels.relational._fuse import Expr, evaluate_at
+from torchlevels.relational._column import Column, Cross, _aligned, _comparable, _rows
+from torchlevels.relational._fuse import Expr, evaluate, evaluate_at, reduce
 from torchlevels.relational._table import Rows
 
 _MISSING = object()
@@ -83,6 +78,32 @@ def where(condition, rows, other=_MISSING, *, keep: Dim | None = None):
         return new, _filtered(rows, condition, selection, new)
     return new, Rows({name: _filter_taker(rows, name, condition, selection, new)
                       for name in rows.column_names}, (new,))
+
+
+class Selection:
+    """The rows a filter keeps: the physical rows where ``mask`` (an expression or bool
+    tensor over them) holds. Columns over the filter's dim keep their physical values;
+    aggregates apply the mask inside their kernel, anything else gathers the rows."""
+
+    def __init__(self, mask: torch.Tensor | Expr) -> None:
+        self.mask = mask
+        self._count: int | None = None
+        self._index: torch.Tensor | None = None
+
+    def count(self) -> int:
+        if self._count is None:
+            self._count = int(reduce(self.mask, None, None, 0, "count")) if isinstance(
+                self.mask, Expr) else int(torch.count_nonzero(self.mask))
+        return self._count
+
+    def tensor(self) -> torch.Tensor:
+        self.mask = evaluate(self.mask)
+        return self.mask
+
+    def index(self) -> torch.Tensor:
+        if self._index is None:
+            self._index = torch.nonzero(self.tensor()).squeeze(1)
+        return self._index
 
 
 class FilterDim(Dim):

@@ -1,0 +1,126 @@
+"""Aggregates over a dim: whole-dim totals and per-group values over a jagged dim.
+
+Without nulls a total is one fused kernel under the column's filter mask, and per-group
+values over few groups one fused kernel with the group ids inline (``_fuse.reduce``);
+otherwise they scatter by group id (``bincount``, ``index_add_``, ``scatter_reduce_``).
+SQL semantics: nulls are skipped, and an aggregate of no values is null.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from torchlevels.relational._column import Column, Grouping, _device, _rows
+from torchlevels.relational._fuse import SMALL_GROUPS, Expr, evaluate, reduce, reduce_counted
+
+
+def aggregate(col: Column, dim, how: str) -> Column:
+    """``how`` (sum, mean, min, max, count, count_distinct) of ``col`` over ``dim``."""
+    dims = col.dims if dim is None else (tuple(dim) if isinstance(dim, tuple) else (dim,))
+    name = f"{how}({col.name})"
+    if col.kind == "str" and how in ("sum", "mean"):
+        raise TypeError(f"cannot {how} {col.describe()}")
+    kind = _agg_kind(col, how)
+    groups = col.groups
+    if groups is not None and set(dims) == {groups.J}:
+        values, valid = reduce_groups(col, groups, how)
+        return Column(values, kind, dims=(groups.G,), valid=valid, dictionary=col.dictionary,
+                      name=name)
+    if groups is not None and set(dims) != {groups.G, groups.J}:
+        raise ValueError(
+            f"{how}{dims!r}: {col.describe()} is grouped by {groups.G!r} with jagged "
+            f"{groups.J!r}; reduce over {groups.J!r} (per group) or over both (all rows)"
+        )
+    if groups is None and (set(dims) != set(col.dims) or len(dims) != len(col.dims)):
+        raise ValueError(f"{how}{dims!r}: {col.describe()} can only be reduced over its dims "
+                         f"{col.dims!r}")
+    value, is_valid = reduce_all(col, how)
+    return Column(value, kind, valid=is_valid, dictionary=col.dictionary, name=name)
+
+
+def _agg_kind(col: Column, how: str) -> str:
+    if how in ("count", "count_distinct"):
+        return "int"
+    if how == "mean":
+        return "float"
+    return "int" if col.kind == "bool" and how == "sum" else col.kind
+
+
+def reduce_all(col: Column, how: str):
+    """``how`` of all of ``col``'s non-null values: (a 0-d value, a 0-d valid flag or
+    None). Without nulls this is one fused kernel under the column's filter."""
+    groups = col.groups
+    if groups is not None and int(groups.sizes.sum()) < _rows(col):
+        mask = Expr("lt", (groups.gid, groups.size))  # rows a filter left out of every group
+        count = groups.sizes.sum
+    elif col.selection is not None:
+        mask = col.selection.mask
+        count = lambda: torch.tensor(col.selection.count(), device=_device(col))
+    else:
+        mask, count = None, lambda: torch.tensor(_rows(col), device=_device(col))
+    if col.valid is None and how != "count_distinct":
+        if how == "count":
+            return count(), None
+        total, rows = reduce_counted(col.data, mask, "sum" if how == "mean" else how)
+        if int(rows) == 0:  # SQL: an aggregate of no rows is null
+            zero = total.new_zeros((), dtype=torch.float64 if how == "mean" else total.dtype)
+            return zero, torch.tensor(False, device=total.device)
+        return (total.double() / rows if how == "mean" else total), None
+    values, valid = col.values.reshape(-1), col.valid
+    if mask is not None and col.selection is None:  # grouped rows, some left out
+        kept = evaluate(mask)
+        valid = kept if valid is None else valid & kept
+    count = valid.sum() if valid is not None else torch.tensor(values.shape[0],
+                                                                device=values.device)
+    if how == "count":
+        return count, None
+    if how == "count_distinct":
+        kept = values if valid is None else values[valid]
+        return torch.tensor(torch.unique(kept).shape[0], device=values.device), None
+    null = None if int(count) > 0 else torch.tensor(False, device=values.device)
+    if how in ("sum", "mean"):
+        v = values.double() if how == "mean" or values.is_floating_point() else values.long()
+        total = (v if valid is None else torch.where(valid, v, 0)).sum()
+        return (total / count.clamp(min=1) if how == "mean" else total), null
+    if null is not None:
+        return values.new_zeros(()), null
+    kept = values if valid is None else values[valid]
+    return (kept.amin() if how == "min" else kept.amax()), None
+
+
+def reduce_groups(col: Column, groups: Grouping, how: str):
+    """``how`` of ``col``'s non-null values per group (rows with ``gid == size`` are in no
+    group); returns (values[size], valid[size] or None). Without nulls, over few groups,
+    this is one fused kernel."""
+    k = groups.size
+    if col.valid is None and how in ("sum", "mean", "min", "max") and k <= SMALL_GROUPS:
+        out = reduce(col.data, None, groups.gid, k, "sum" if how == "mean" else how)
+        return (out.double() / groups.sizes if how == "mean" else out), None
+    gid = groups.ids()
+    values, valid = col.values.reshape(-1), col.valid
+    if valid is not None:
+        gid = torch.where(valid.reshape(-1), gid, k)  # nulls go to the extra group
+    n_valid = groups.sizes if valid is None else torch.bincount(gid, minlength=k + 1)[:k]
+    if how == "count":
+        return n_valid, None
+    if how == "count_distinct":
+        rank = torch.unique(values, return_inverse=True)[1]
+        pairs = torch.unique(gid * (int(rank.max()) + 1 if rank.numel() else 1) + rank)
+        per_group = torch.div(pairs, int(rank.max()) + 1 if rank.numel() else 1,
+                              rounding_mode="floor")
+        return torch.bincount(per_group, minlength=k + 1)[:k], None
+    empty = n_valid == 0
+    null = empty if bool(empty.any()) else None
+    if how in ("sum", "mean"):
+        if values.is_floating_point() or how == "mean":
+            total = torch.bincount(gid, weights=values.double(), minlength=k + 1)[:k]
+        else:
+            total = torch.zeros(k + 1, dtype=torch.int64, device=values.device)
+            total = total.index_add_(0, gid, values.long())[:k]
+        if how == "mean":
+            total = total / n_valid.clamp(min=1)
+        return total, None if null is None else ~null
+    reduce_op = "amin" if how == "min" else "amax"
+    out = torch.zeros(k + 1, dtype=values.dtype, device=values.device)
+    out = out.scatter_reduce_(0, gid, values, reduce_op, include_self=False)[:k]
+    return out, None if null is None else ~null
