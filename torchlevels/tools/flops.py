@@ -10,6 +10,7 @@ run, ``vmap(count_flops(f))`` the per-example ops f asks for.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -58,6 +59,14 @@ class FlopCounts:
         return "\n".join(rows)
 
 
+@functools.cache
+def _counted_by_pieces(func) -> bool:
+    """As FlopCounterMode does: an op with no flop formula of its own but a composite
+    kernel is counted as the ops it decomposes into (asked once per op)."""
+    return func._overloadpacket not in flop_registry and func.has_kernel_for_dispatch_key(
+        _COMPOSITE)
+
+
 class FlopLevel(ForwardingLevel):
     """Counts the FLOPs of every op on its tensors with PyTorch's flop formulas."""
 
@@ -68,9 +77,7 @@ class FlopLevel(ForwardingLevel):
         self.counts = FlopCounts()
 
     def dispatch(self, cls, func, args, kwargs):
-        packet = func._overloadpacket
-        if packet not in flop_registry and func.has_kernel_for_dispatch_key(_COMPOSITE):
-            # as FlopCounterMode does: count the pieces of an op with no formula of its own
+        if _counted_by_pieces(func):
             out = func.decompose(*args, **kwargs)
             if out is not NotImplemented:
                 return out
