@@ -451,3 +451,22 @@ def test_joins_see_keys_written_in_place():
     assert matches() == [3]
     keys[0] = 100  # no longer sorted, and a new largest key
     assert sorted(matches()) == [3, 100]
+
+
+def test_joins_from_several_threads_at_once():
+    """Joins probing one key column share its position table: one at a time."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    gen = torch.Generator().manual_seed(0)
+    big = Table({"k": torch.randint(0, 5000, (200_000,), generator=gen)})
+    smalls = [Table({"j": torch.randperm(5000, generator=gen)[:n]}) for n in range(50, 450, 50)]
+
+    def join(small):
+        A, B = dims(2)
+        AB, ab = where(big[A]["k"] == small[B]["j"], cat(big[A], small[B]))
+        return AB.size, bool((ab["k"].values == ab["j"].values).all())
+
+    expected = [(int(torch.isin(big["k"].values, s["j"].values).sum()), True) for s in smalls]
+    with ThreadPoolExecutor(4) as pool:
+        for _ in range(3):
+            assert list(pool.map(join, smalls)) == expected

@@ -12,6 +12,7 @@ the outer product of bounded size.
 from __future__ import annotations
 
 import inspect
+import threading
 import weakref
 
 import torch
@@ -344,10 +345,16 @@ def _match(probe: torch.Tensor, probe_mask: torch.Tensor | None, build: torch.Te
             b, p = (build, probe) if lo == 0 else (build - lo, probe - lo)
             index_type = torch.int32 if build.shape[0] < 2 ** 31 else torch.long
             rows = torch.arange(build.shape[0], dtype=index_type, device=build.device)
-            position = torch.full((span,), -1, dtype=index_type, device=build.device)
-            position[b] = rows
-            if bool((position[b] == rows).all()):  # no key written twice: distinct keys
-                found = torch.take(position, p)  # faster than position[p] here
+            position, lock = _position_table(probe, span, index_type)
+            try:
+                position[b] = rows
+                distinct = bool((position[b] == rows).all())  # no key written twice
+                found = torch.take(position, p) if distinct else None  # faster than [p]
+            finally:
+                position[b] = -1  # all -1 again, for the next join
+                if lock is not None:
+                    lock.release()
+            if distinct:
                 hit = found >= 0 if probe_mask is None else (found >= 0) & probe_mask
                 probe_rows = torch.nonzero(hit).squeeze(1)
                 return probe_rows, found[probe_rows]
@@ -363,6 +370,27 @@ def _match(probe: torch.Tensor, probe_mask: torch.Tensor | None, build: torch.Te
     end = torch.searchsorted(build_sorted, probe[kept], right=True)
     pos, build_pos = _expand(start, end - start, order)
     return kept[pos], build_pos
+
+
+_TABLES: dict[int, tuple] = {}
+
+
+def _position_table(owner: torch.Tensor, span: int, dtype: torch.dtype):
+    """A key -> position table of ``span`` entries, all -1, and the lock to release
+    after use (None for a table made just for this call). The caller resets the entries
+    it wrote to -1. One table is kept per probed key column while the column lives (4
+    bytes per key of its range), so joining it again costs no fill of the key range."""
+    key = id(owner)
+    kept = _TABLES.get(key)
+    if kept is not None and kept[0]() is owner:
+        table, lock = kept[1], kept[2]
+        if table.shape[0] == span and table.dtype == dtype and lock.acquire(blocking=False):
+            return table, lock
+        return torch.full((span,), -1, dtype=dtype, device=owner.device), None
+    table, lock = torch.full((span,), -1, dtype=dtype, device=owner.device), threading.Lock()
+    lock.acquire()
+    _TABLES[key] = (weakref.ref(owner, lambda _: _TABLES.pop(key, None)), table, lock)
+    return table, lock
 
 
 _MIN_MAX: dict[int, tuple] = {}
