@@ -186,6 +186,12 @@ def group_ids(keys: list[Column], mask=None):
         gid, size, _, _ = group_ids([k.take(kept) for k in keys])
         out = torch.full((n,), size, dtype=torch.long, device=kept.device)
         return out.index_put_((kept,), gid), size, None, None
+    if total < 2 ** 62:  # the codes combine in an int64: one sort
+        combined = coded[0].codes
+        for k in coded[1:]:
+            combined = combined * k.range + k.codes
+        uniq, gid = torch.unique(combined, return_inverse=True)
+        return gid, uniq.shape[0], None, None
     ranked = [torch.unique(k.codes, return_inverse=True) for k in coded]
     combined, span = torch.zeros_like(coded[0].codes), 1
     for uniq, inv in ranked:
