@@ -344,20 +344,22 @@ def _match(probe: torch.Tensor, probe_mask: torch.Tensor | None, build: torch.Te
         if span <= 4 * (build.shape[0] + probe.shape[0]) + 1024:
             b, p = (build, probe) if lo == 0 else (build - lo, probe - lo)
             index_type = torch.int32 if build.shape[0] < 2 ** 31 else torch.long
-            rows = torch.arange(build.shape[0], dtype=index_type, device=build.device)
+            # the table holds build position + 1, and 0 for a key not in the build side
+            rows = torch.arange(1, build.shape[0] + 1, dtype=index_type, device=build.device)
             position, lock = _position_table(probe, span, index_type)
             try:
                 position[b] = rows
                 distinct = bool((position[b] == rows).all())  # no key written twice
                 found = torch.take(position, p) if distinct else None  # faster than [p]
             finally:
-                position[b] = -1  # all -1 again, for the next join
+                position[b] = 0  # all 0 again, for the next join
                 if lock is not None:
                     lock.release()
             if distinct:
-                hit = found >= 0 if probe_mask is None else (found >= 0) & probe_mask
-                probe_rows = torch.nonzero(hit).squeeze(1)
-                return probe_rows, found[probe_rows]
+                if probe_mask is not None:
+                    found = found * probe_mask
+                probe_rows = torch.nonzero(found).squeeze(1)  # no separate "found >= 0"
+                return probe_rows, found[probe_rows] - 1
             per_key = torch.bincount(b, minlength=span)
             key_start = torch.cumsum(per_key, 0) - per_key
             kept = _rows_where(probe_mask, probe.shape[0], probe.device)
@@ -376,9 +378,9 @@ _TABLES: dict[int, tuple] = {}
 
 
 def _position_table(owner: torch.Tensor, span: int, dtype: torch.dtype):
-    """A key -> position table of ``span`` entries, all -1, and the lock to release
+    """A key -> position table of ``span`` entries, all 0, and the lock to release
     after use (None for a table made just for this call). The caller resets the entries
-    it wrote to -1. One table is kept per probed key column while the column lives (4
+    it wrote to 0. One table is kept per probed key column while the column lives (4
     bytes per key of its range), so joining it again costs no fill of the key range."""
     key = id(owner)
     kept = _TABLES.get(key)
@@ -386,8 +388,8 @@ def _position_table(owner: torch.Tensor, span: int, dtype: torch.dtype):
         table, lock = kept[1], kept[2]
         if table.shape[0] == span and table.dtype == dtype and lock.acquire(blocking=False):
             return table, lock
-        return torch.full((span,), -1, dtype=dtype, device=owner.device), None
-    table, lock = torch.full((span,), -1, dtype=dtype, device=owner.device), threading.Lock()
+        return torch.zeros((span,), dtype=dtype, device=owner.device), None
+    table, lock = torch.zeros((span,), dtype=dtype, device=owner.device), threading.Lock()
     lock.acquire()
     _TABLES[key] = (weakref.ref(owner, lambda _: _TABLES.pop(key, None)), table, lock)
     return table, lock
