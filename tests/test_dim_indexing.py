@@ -5,6 +5,7 @@ value (an int) and each index tensor with dims replaced by its entry there.
 
 import itertools
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -90,3 +91,47 @@ def test_diagonal_and_gather_of_a_dims_tensor():
     row = values[i]
     got = row[lengths[i]].order(i)
     assert_close(got, values[torch.arange(4), lengths])
+
+
+@pytest.mark.parametrize("case", ["positional", "first-class", "bound", "uneven", "torch.split"])
+def test_split_into_dims_matches_functorch_dim(case):
+    import functorch.dim as functorch_dim
+
+    import torchlevels.dim as torchlevels_dim
+
+    x = torch.arange(2 * 14.).reshape(2, 14)
+
+    def program(D):
+        i, j, a, b, c = D.dims(5)
+        if case == "positional":
+            pieces = x[i].split([a, b], dim=0)
+        elif case == "first-class":
+            pieces = x[i, j].split([a, b], dim=j)
+        elif case == "bound":
+            a.size = 4
+            pieces = x[i].split([a, b, c], dim=-1)
+        elif case == "uneven":
+            pieces = x[i].split([a, b, c], dim=0)
+        else:
+            pieces = torch.split(x[i], [a, b], 0)
+        dims = (a, b, c)[:len(pieces)]
+        return [p.order(i, d) for p, d in zip(pieces, dims)], [d.size for d in dims]
+
+    ours, theirs = program(torchlevels_dim), program(functorch_dim)
+    assert ours[1] == theirs[1]
+    for a, b in zip(ours[0], theirs[0]):
+        assert torch.equal(a, b)
+
+
+def test_split_errors():
+    from torchlevels.dim import DimensionBindError, dims
+
+    i, j, a, b = dims(4)
+    x = torch.rand(2, 6)
+    a.size, b.size = 2, 2
+    with pytest.raises(DimensionBindError, match="add up to 4, not the split dim's size 6"):
+        x[i].split([a, b], dim=0)
+    with pytest.raises(TypeError, match="all ints or all dims"):
+        x[i].split([a, 4], dim=0)
+    with pytest.raises(TypeError, match="split sizes must be dims too"):
+        x[i, j].split(3, dim=j)

@@ -21,7 +21,7 @@ Example::
 # _base first: it imports _ops, which needs _Tensor from it and Dim from _dims.
 from torchlevels.dim._base import _Tensor  # noqa: F401  isort: skip
 from torchlevels.dim._dims import Dim, DimensionBindError, DimList, dimlists, dims
-from torchlevels.dim._functions import cat, softmax, stack
+from torchlevels.dim._functions import cat, softmax, split, stack
 from torchlevels.dim._ops import Tensor
 
 __all__ = [
@@ -33,5 +33,6 @@ __all__ = [
     "dimlists",
     "dims",
     "softmax",
+    "split",
     "stack",
 ]

@@ -1,4 +1,5 @@
-"""Module functions of ``torchlevels.dim``: ``softmax``, ``stack`` and ``cat`` with dims."""
+"""Module functions of ``torchlevels.dim``: ``softmax``, ``stack``, ``cat`` and ``split``
+with dims."""
 
 from __future__ import annotations
 
@@ -8,9 +9,9 @@ from typing import Any
 import torch
 
 from torchlevels.dim._base import _Tensor
-from torchlevels.dim._dims import Dim
+from torchlevels.dim._dims import Dim, DimensionBindError
 from torchlevels.dim._getitem import getitem
-from torchlevels.dim._ops import batched, order
+from torchlevels.dim._ops import batched, find, order, storage, wrap
 
 
 def softmax(input: Any, dim: Any, *args: Any, **kwargs: Any) -> Any:
@@ -71,3 +72,65 @@ def stack_positional(tensors: Sequence[Any], dim: Any = 0, **kwargs: Any) -> Any
     if isinstance(dim, Dim):
         return stack(tensors, dim, 0)
     return batched(torch.stack, (tensors, dim), kwargs)
+
+
+def split(tensor: Any, split_size_or_sections: Any, dim: Any = None) -> tuple:
+    """``torch.split`` where the sections may be dims: ``dim`` (positional, default 0, or
+    first-class) is cut into one piece per dim, each bound to it. Bound dims keep their
+    sizes; unbound ones share what is left, the first ones taking the larger shares.
+
+    Example::
+
+        >>> import torch
+        >>> from torchlevels.dim import dims, split
+        >>> i, a, b = dims(3)
+        >>> x = torch.arange(12.).reshape(2, 6)
+        >>> p, q = split(x[i], [a, b], dim=0)
+        >>> p.dims, a.size, torch.equal(q.order(i, b), x[:, 3:])
+        ((i, a), 3, True)
+    """
+    sections = split_size_or_sections
+    if isinstance(sections, int) or not any(isinstance(s, Dim) for s in sections):
+        if isinstance(dim, Dim):
+            raise TypeError("split: when dim is a Dim, the split sizes must be dims too")
+        return batched(torch.Tensor.split, (tensor, sections), {"dim": 0 if dim is None else dim})
+    if not all(isinstance(s, Dim) for s in sections):
+        raise TypeError(f"split: the sizes must be all ints or all dims, got {list(sections)}")
+    own = tensor._dims if isinstance(tensor, _Tensor) else ()
+    base = storage(tensor, None) if isinstance(tensor, _Tensor) else tensor
+    if isinstance(dim, Dim):
+        axis = find(own, dim)
+        if axis < 0:
+            raise TypeError(f"split: the tensor has no dim {dim!r} (its dims: {own})")
+    else:
+        ndim = base.ndim - len(own)
+        p = 0 if dim is None else dim
+        if not -ndim <= p < ndim:
+            raise IndexError(f"split: dim {p} is out of range for {ndim} positional dims")
+        axis = len(own) + p % ndim
+    sizes = _section_sizes(sections, base.shape[axis])
+    pieces = []
+    for piece, d in zip(base.split(sizes, axis), sections):
+        if isinstance(dim, Dim):
+            pieces.append(wrap(piece, own[:axis] + (d,) + own[axis + 1:]))
+        else:
+            pieces.append(wrap(piece.movedim(axis, len(own)), own + (d,)))
+    return tuple(pieces)
+
+
+def _section_sizes(sections: Sequence[Dim], total: int) -> list[int]:
+    """The size of each section dim, binding the unbound ones to share the rest."""
+    taken = sum(d.size for d in sections if d.is_bound)
+    unbound = [d for d in sections if not d.is_bound]
+    if not unbound and taken != total:
+        raise DimensionBindError(f"split: the section dims {list(sections)} add up to {taken}, "
+                                 f"not the split dim's size {total}")
+    if taken > total:
+        raise DimensionBindError(f"split: the bound section dims add up to {taken}, more than "
+                                 f"the split dim's size {total}")
+    left = total - taken
+    share = -(-left // len(unbound)) if unbound else 0
+    for d in unbound:
+        d.size = min(share, left)
+        left -= d.size
+    return [d.size for d in sections]

@@ -153,6 +153,8 @@ def _special() -> dict:
         torch.Tensor.mul: _reduce.multiply,
         torch.mul: _reduce.multiply,
         torch.stack: _functions.stack_positional,
+        torch.Tensor.split: _functions.split,
+        torch.split: _functions.split,
     }
 
 
