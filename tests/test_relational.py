@@ -470,3 +470,26 @@ def test_joins_from_several_threads_at_once():
     with ThreadPoolExecutor(4) as pool:
         for _ in range(3):
             assert list(pool.map(join, smalls)) == expected
+
+
+def test_one_compiled_kernel_serves_every_parameter_value(monkeypatch):
+    from torchlevels.relational import _fuse
+
+    monkeypatch.setattr(_fuse, "FUSE_MIN_ROWS", 0)
+    gen = torch.Generator().manual_seed(1)
+    t = Table({"x": torch.rand(500, generator=gen, dtype=torch.float64),
+               "d": torch.randint(0, 100, (500,), generator=gen)})
+
+    def query(threshold, scale):
+        R = dims(1)
+        r = t[R]
+        R2, f = where((r["d"] < threshold) & (r["x"] > 0.25), r)
+        return (f["x"] * scale).sum(R2).item()
+
+    query(50, 2.0)
+    compiled = _fuse._compiled.cache_info().misses
+    for threshold, scale in [(10, 3.0), (90, 0.5), (33, 7.25)]:
+        x, d = t["x"].values, t["d"].values
+        expected = (x[(d < threshold) & (x > 0.25)] * scale).sum().item()
+        assert query(threshold, scale) == pytest.approx(expected, rel=1e-12)
+    assert _fuse._compiled.cache_info().misses == compiled

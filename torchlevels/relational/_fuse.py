@@ -76,9 +76,28 @@ def _flatten(node, tensors: list, seen: dict[int, int], leaf: str = "leaf"):
     return ("const", node)
 
 
+def _lift(plan, tensors: list):
+    """``plan`` with its number constants moved into ``tensors`` as 0-d inputs, so one
+    compiled kernel serves every value of a query's parameters (a date, a threshold)."""
+    op = plan[0]
+    if op == "const":
+        value = plan[1]
+        if isinstance(value, bool | int | float):
+            dtype = _SCALAR_DTYPES[type(value)]
+            tensors.append(torch.tensor(value, dtype=dtype))
+            return ("scalar", len(tensors) - 1)
+        return plan
+    if op in ("leaf", "table"):
+        return plan
+    return (op, *(_lift(p, tensors) for p in plan[1:]))
+
+
+_SCALAR_DTYPES = {bool: torch.bool, int: torch.int64, float: torch.float64}
+
+
 def _run(plan, tensors):
     op = plan[0]
-    if op in ("leaf", "table"):
+    if op in ("leaf", "table", "scalar"):
         return tensors[plan[1]]
     if op == "const":
         return plan[1]
@@ -141,6 +160,8 @@ def _compiled(kernel, *static):
 def _call(kernel, static: tuple, tensors: list, rows: int):
     """``kernel(*static, tensors)``: compiled when the rows are many and compiling works."""
     if rows >= FUSE_MIN_ROWS and not _compile_failed:
+        tensors = list(tensors)
+        static = tuple(_lift(s, tensors) if isinstance(s, tuple) else s for s in static)
         try:
             return _compiled(kernel, *static)(tensors)
         except Exception as e:  # no compiler here: run op by op from now on
