@@ -105,9 +105,9 @@ def reduce_groups(col: Column, groups: Grouping, how: str):
         return n_valid, None
     if how == "count_distinct":
         rank = torch.unique(values, return_inverse=True)[1]
-        pairs = torch.unique(gid * (int(rank.max()) + 1 if rank.numel() else 1) + rank)
-        per_group = torch.div(pairs, int(rank.max()) + 1 if rank.numel() else 1,
-                              rounding_mode="floor")
+        base = int(rank.max()) + 1 if rank.numel() else 1
+        pairs = torch.unique(gid * base + rank)  # (group, value) pairs, each once
+        per_group = torch.div(pairs, base, rounding_mode="floor")
         return torch.bincount(per_group, minlength=k + 1)[:k], None
     empty = n_valid == 0
     null = empty if bool(empty.any()) else None

@@ -15,8 +15,7 @@ join.
 from __future__ import annotations
 
 import datetime
-import operator
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -172,6 +171,17 @@ class Column:
     def _is_scalar(self) -> bool:
         return not self.dims and isinstance(self.data, torch.Tensor) and self.data.ndim == 0
 
+    def rebound(self, dims: tuple[Dim, ...] = (), groups: Grouping | None = None,
+                name: str | None = None) -> Column:
+        """The same values (and nulls, and filter) bound to ``dims`` (``()``: positional)."""
+        return Column(self.data, self.kind, dims=dims, valid=self.valid,
+                      dictionary=self.dictionary, groups=groups, selection=self.selection,
+                      name=name or self.name)
+
+    def is_true(self) -> torch.Tensor:
+        """Where a boolean column is true and not null, one entry per row."""
+        return self.values if self.valid is None else self.values & self.valid
+
     def _lazy(self, expr: Expr, kind: str, name: str) -> Column:
         """A column over the same (physical) rows, computed by ``expr``."""
         return Column(expr, kind, dims=self.dims, dictionary=self.dictionary if kind == "str"
@@ -268,7 +278,7 @@ class Column:
         return pa.array(np_values, mask=mask)
 
     # -- elementwise ops -----------------------------------------------------------------
-    def _binary(self, other, op: str, fn: Callable, symbol: str, compare=False, flip=False):
+    def _binary(self, other, op: str, symbol: str, compare=False, flip=False):
         if isinstance(other, Cross) or (
             isinstance(other, Column) and _crosses(self, other)
         ):
@@ -286,7 +296,7 @@ class Column:
             a, b = _aligned(left, right, symbol)
             if compare:
                 a, b = _comparable(a, b, symbol)
-            return _combine(a, b, fn(a.values, b.values), kind, name)
+            return _combine(a, b, OPS[op](a.values, b.values), kind, name)
         if compare:
             return _compare_const(self, other, op, symbol, flip, name)
         ck = _const_kind(other)
@@ -295,32 +305,32 @@ class Column:
         args = (c, self.data) if flip else (self.data, c)
         if self.valid is None and not self._is_scalar():
             return self._lazy(Expr(op, args), kind, name)
-        values = fn(c, self.values) if flip else fn(self.values, c)
+        values = OPS[op](c, self.values) if flip else OPS[op](self.values, c)
         return self._like(values, kind, self.valid, name)
 
     def __add__(self, o):
-        return self._binary(o, "add", operator.add, "+")
+        return self._binary(o, "add", "+")
 
     def __radd__(self, o):
-        return self._binary(o, "add", operator.add, "+", flip=True)
+        return self._binary(o, "add", "+", flip=True)
 
     def __sub__(self, o):
-        return self._binary(o, "sub", operator.sub, "-")
+        return self._binary(o, "sub", "-")
 
     def __rsub__(self, o):
-        return self._binary(o, "sub", operator.sub, "-", flip=True)
+        return self._binary(o, "sub", "-", flip=True)
 
     def __mul__(self, o):
-        return self._binary(o, "mul", operator.mul, "*")
+        return self._binary(o, "mul", "*")
 
     def __rmul__(self, o):
-        return self._binary(o, "mul", operator.mul, "*", flip=True)
+        return self._binary(o, "mul", "*", flip=True)
 
     def __truediv__(self, o):
-        return self._binary(o, "truediv", OPS["truediv"], "/")
+        return self._binary(o, "truediv", "/")
 
     def __rtruediv__(self, o):
-        return self._binary(o, "truediv", OPS["truediv"], "/", flip=True)
+        return self._binary(o, "truediv", "/", flip=True)
 
     def __neg__(self) -> Column:
         if self.kind not in ("int", "float"):
@@ -330,22 +340,22 @@ class Column:
         return self._like(-self.values, valid=self.valid, name=f"-{self.name}")
 
     def __lt__(self, o):
-        return self._binary(o, "lt", torch.lt, "<", compare=True)
+        return self._binary(o, "lt", "<", compare=True)
 
     def __le__(self, o):
-        return self._binary(o, "le", torch.le, "<=", compare=True)
+        return self._binary(o, "le", "<=", compare=True)
 
     def __gt__(self, o):
-        return self._binary(o, "gt", torch.gt, ">", compare=True)
+        return self._binary(o, "gt", ">", compare=True)
 
     def __ge__(self, o):
-        return self._binary(o, "ge", torch.ge, ">=", compare=True)
+        return self._binary(o, "ge", ">=", compare=True)
 
     def __eq__(self, o):  # type: ignore[override]
-        return self._binary(o, "eq", torch.eq, "==", compare=True)
+        return self._binary(o, "eq", "==", compare=True)
 
     def __ne__(self, o):  # type: ignore[override]
-        return self._binary(o, "ne", torch.ne, "!=", compare=True)
+        return self._binary(o, "ne", "!=", compare=True)
 
     __hash__ = object.__hash__
 

@@ -81,9 +81,7 @@ class Grouped:
 
     def _regrouped(self, name: str, grouping: Grouping):
         def bind() -> Column:
-            c = self._physical(name)
-            return Column(c.data, c.kind, dims=(grouping.G, grouping.J), valid=c.valid,
-                          dictionary=c.dictionary, groups=grouping, name=name)
+            return self._physical(name).rebound((grouping.G, grouping.J), grouping, name)
         return bind
 
     def __repr__(self) -> str:
@@ -164,10 +162,10 @@ def group_ids(keys: list[Column], mask=None):
     for k in coded:
         total *= k.range
     n = keys[0].num_rows()
+    combined = coded[0].codes  # mixed radix, last key fastest: sorts like the keys
+    for k in coded[1:]:
+        combined = Expr("radix", (combined, k.range, k.codes))
     if total <= max(DENSE_LIMIT, 2 * n):
-        combined = coded[0].codes
-        for k in coded[1:]:
-            combined = Expr("radix", (combined, k.range, k.codes))
         if mask is not None:
             combined = Expr("select", (mask, combined, total))
         if total <= SMALL_GROUPS:  # count the candidates in one fused pass
@@ -187,10 +185,7 @@ def group_ids(keys: list[Column], mask=None):
         out = torch.full((n,), size, dtype=torch.long, device=kept.device)
         return out.index_put_((kept,), gid), size, None, None
     if total < 2 ** 62:  # the codes combine in an int64: one sort
-        combined = coded[0].codes
-        for k in coded[1:]:
-            combined = combined * k.range + k.codes
-        uniq, gid = torch.unique(combined, return_inverse=True)
+        uniq, gid = torch.unique(evaluate(combined), return_inverse=True)
         return gid, uniq.shape[0], None, None
     ranked = [torch.unique(k.codes, return_inverse=True) for k in coded]
     combined, span = torch.zeros_like(coded[0].codes), 1

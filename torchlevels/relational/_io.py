@@ -59,8 +59,7 @@ def column_from_values(values, name: str) -> Column:
                 f"column '{name}' is {values.describe()}: a table takes positional 1-D "
                 "columns; call .order(dim) on a column bound to a dim first"
             )
-        return Column(values.data, values.kind, valid=values.valid,
-                      dictionary=values.dictionary, selection=values.selection, name=name)
+        return values.rebound(name=name)
     if isinstance(values, torch.Tensor):
         if values.ndim != 1:
             raise ValueError(f"column '{name}' must be 1-D, got a tensor of shape "

@@ -211,10 +211,7 @@ class Rows:
         if not isinstance(col, Column):
             col = self._columns[key] = col()
         if not col.dims:  # a positional column, bound on first use
-            col = self._columns[key] = Column(col.data, col.kind, dims=self.dims,
-                                              valid=col.valid, dictionary=col.dictionary,
-                                              groups=self.groups, selection=col.selection,
-                                              name=key)
+            col = self._columns[key] = col.rebound(self.dims, self.groups, key)
         return col
 
     def count(self, dim: Dim | tuple[Dim, ...] | None = None) -> Column:
@@ -256,9 +253,7 @@ class Rows:
         if len(self.dims) != 1:
             raise ValueError(f"order{dims!r}: rows over several dims are a lazy outer "
                              "product; make them one dim with where(condition, rows)")
-        return Table({name: Column(c.data, c.kind, valid=c.valid, dictionary=c.dictionary,
-                                   selection=c.selection, name=name)
-                      for name, c in self.columns.items()})
+        return Table({name: c.rebound(name=name) for name, c in self.columns.items()})
 
     def __repr__(self) -> str:
         return f"Rows(over {self.dims!r}, columns {self.column_names})"

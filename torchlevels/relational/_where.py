@@ -19,7 +19,15 @@ import torch
 
 from torchlevels.dim import Dim
 from torchlevels.dim._dims import _assigned_names
-from torchlevels.relational._column import Column, Cross, _aligned, _comparable, _rows
+from torchlevels.relational._column import (
+    Column,
+    Cross,
+    _aligned,
+    _and_valid,
+    _broadcast_const,
+    _comparable,
+    _rows,
+)
 from torchlevels.relational._fuse import Expr, evaluate, evaluate_at, reduce
 from torchlevels.relational._table import Rows
 
@@ -68,8 +76,7 @@ def where(condition, rows, other=_MISSING, *, keep: Dim | None = None):
         raise ValueError(f"where: filter by a condition over one dim, got "
                          f"{condition.describe()}")
     (dim,) = condition.dims
-    if isinstance(rows, Column) or not set(rows.dims) <= {dim}:
-        _check_over(rows, (dim,), condition)
+    _check_over(rows, (dim,), condition)
     cache = condition._where_cache
     if cache is None:
         selection = Selection(_physical_mask(condition))
@@ -138,7 +145,7 @@ def _physical_mask(condition: Column):
     if condition.selection is not None:  # filtering filtered rows: both masks hold
         return Expr("and", (condition.selection.mask, condition.data))
     if condition.valid is not None:
-        return condition.values & condition.valid
+        return condition.is_true()
     return condition.data
 
 
@@ -149,8 +156,7 @@ def _filtered(col: Column, condition: Column, selection: Selection, new: Dim) ->
             and _rows(col) == _rows(condition)):
         return Column(col.data, col.kind, dims=(new,), dictionary=col.dictionary,
                       selection=selection, name=col.name)
-    keep = condition.values if condition.valid is None else condition.values & condition.valid
-    return col.take(torch.nonzero(keep).squeeze(1), (new,))
+    return col.take(torch.nonzero(condition.is_true()).squeeze(1), (new,))
 
 
 def _filter_taker(rows: Rows, name: str, condition: Column, selection: Selection, new: Dim):
@@ -183,12 +189,12 @@ def _case(mask, x, y) -> Column:
     if not isinstance(mask, Column):
         raise TypeError(f"where(mask, x, y): mask must be a boolean column, got {mask!r}")
     mask._expect("bool", "where(mask, x, y)")
-    x = x if isinstance(x, Column) else _const_like(mask, x)
-    y = y if isinstance(y, Column) else _const_like(mask, y)
+    x = x if isinstance(x, Column) else _broadcast_const(mask, x)
+    y = y if isinstance(y, Column) else _broadcast_const(mask, y)
     mask, x = _aligned(mask, x, "where")
     mask, y = _aligned(mask, y, "where")
     x, y = _comparable(x, y, "where")
-    take_x = mask.values if mask.valid is None else mask.values & mask.valid
+    take_x = mask.is_true()
     values = torch.where(take_x, x.values, y.values)
     kind = "float" if "float" in (x.kind, y.kind) else x.kind
     valid = None
@@ -198,12 +204,6 @@ def _case(mask, x, y) -> Column:
         valid = torch.where(take_x, vx, vy)
     return Column(values, kind, dims=mask.dims, valid=valid, dictionary=x.dictionary,
                   groups=mask.groups, name=f"CASE WHEN {mask.name} THEN {x.name} ELSE {y.name}")
-
-
-def _const_like(like: Column, value) -> Column:
-    from torchlevels.relational._column import _broadcast_const
-
-    return _broadcast_const(like, value)
 
 
 # -- joins -------------------------------------------------------------------------------
@@ -271,8 +271,7 @@ def _filter_pairs(parts, A: Dim, B: Dim, ia: torch.Tensor, ib: torch.Tensor):
         m = part.at(index, pairs) if isinstance(part, Cross) else part.take(
             index[part.dims[0]], (pairs,))
         m._expect("bool", "where")
-        m = m.values if m.valid is None else m.values & m.valid
-        keep = m if keep is None else keep & m
+        keep = _and_valid(keep, m.is_true())
     return ia[keep], ib[keep]
 
 
@@ -294,7 +293,7 @@ def _equi_join(ka: Column, kb: Column, filters_a: list[Column],
     a, b = (va, ka.valid, filters_a), (vb, kb.valid, filters_b)
     (probe, probe_valid, probe_filters), (build, build_valid, build_filters) = (
         (b, a) if swap else (a, b))
-    build_rows = _rows_where(_and(_mask_of(build_filters), build_valid), build.shape[0],
+    build_rows = _rows_where(_and_valid(_mask_of(build_filters), build_valid), build.shape[0],
                              build.device)
     if build_rows.numel() == 0 or probe.numel() == 0:
         none = torch.zeros(0, dtype=torch.long, device=va.device)
@@ -311,8 +310,7 @@ def _mask_of(filters: list[Column]) -> torch.Tensor | None:
     """Where every filter is true (not null); None for no filters."""
     mask = None
     for f in filters:
-        m = f.values if f.valid is None else f.values & f.valid
-        mask = m if mask is None else mask & m
+        mask = _and_valid(mask, f.is_true())
     return mask
 
 
@@ -322,10 +320,6 @@ def _true_at(f: Column, rows: torch.Tensor) -> torch.Tensor:
         return evaluate_at(f.data, rows)
     m = f.values[rows]
     return m if f.valid is None else m & f.valid[rows]
-
-
-def _and(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
-    return b if a is None else (a if b is None else a & b)
 
 
 def _match(probe: torch.Tensor, probe_mask: torch.Tensor | None, build: torch.Tensor):
