@@ -3,7 +3,6 @@
 import datetime
 import decimal
 import os
-import subprocess
 import sys
 
 import duckdb
@@ -12,39 +11,14 @@ import pytest
 
 from benchmarks import tpch_reference as ref
 
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+import tpch  # noqa: E402  (examples/tpch.py: the queries' SQL and the data)
+
 pytestmark = pytest.mark.xdist_group("tpch")
-
-SQL = {
-    "q1": """
-        select l_returnflag, l_linestatus, sum(l_quantity) as sum_qty,
-               sum(l_extendedprice) as sum_base_price,
-               sum(l_extendedprice * (1 - l_discount)) as sum_disc_price,
-               sum(l_extendedprice * (1 - l_discount) * (1 + l_tax)) as sum_charge,
-               avg(l_quantity) as avg_qty, avg(l_extendedprice) as avg_price,
-               avg(l_discount) as avg_disc, count(*) as count_order
-        from lineitem where l_shipdate <= date '1998-09-02'
-        group by l_returnflag, l_linestatus order by l_returnflag, l_linestatus""",
-    "q3": """
-        select l_orderkey, sum(l_extendedprice * (1 - l_discount)) as revenue,
-               o_orderdate, o_shippriority
-        from customer, orders, lineitem
-        where c_mktsegment = 'BUILDING' and c_custkey = o_custkey and l_orderkey = o_orderkey
-          and o_orderdate < date '1995-03-15' and l_shipdate > date '1995-03-15'
-        group by l_orderkey, o_orderdate, o_shippriority
-        order by revenue desc, o_orderdate limit 10""",
-    "q6": """
-        select sum(l_extendedprice * l_discount) as revenue from lineitem
-        where l_shipdate >= date '1994-01-01' and l_shipdate < date '1995-01-01'
-          and l_discount between 0.05 and 0.07 and l_quantity < 24""",
-}
-
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    folder = str(tmp_path_factory.mktemp("tpch"))
-    exe = os.path.join(os.path.dirname(sys.executable), "tpchgen-cli")
-    subprocess.run([exe, "parquet", "-s", "0.01", "-o", folder,
-                    "--tables", "lineitem,orders,customer"], check=True)
+    folder = tpch.generate(0.01, str(tmp_path_factory.mktemp("tpch")))
     con = duckdb.connect()
     for table in ref.COLUMNS:
         con.execute(f"create view {table} as select * from read_parquet("
@@ -83,7 +57,7 @@ def _assert_same(got, expected):
 def test_query_matches_duckdb(data, engine, name):
     tables, con = data
     result = getattr(ref, f"{engine}_{name}")(tables[engine])
-    cursor = con.execute(SQL[name])
+    cursor = con.execute(tpch.SQL[name])
     expected = [tuple(_plain(v) for v in row) for row in cursor.fetchall()]
     assert list(result.columns) == [d[0] for d in cursor.description]
     got = _rows(result)
@@ -99,7 +73,7 @@ def test_query_matches_duckdb(data, engine, name):
 @pytest.mark.parametrize("engine", ["polars", "pandas"])
 def test_q6_matches_duckdb(data, engine):
     tables, con = data
-    (expected,), = con.execute(SQL["q6"]).fetchall()
+    (expected,), = con.execute(tpch.SQL["q6"]).fetchall()
     result = getattr(ref, f"{engine}_q6")(tables[engine])
     assert isinstance(result, float)
     assert result == pytest.approx(float(expected), rel=1e-9)
