@@ -82,6 +82,18 @@ def test_indexing_matches_the_loop_model(case):
     check_against_loops(x, index)
 
 
+@pytest.mark.parametrize("shape, make_index", [
+    # tensor indices separated only by a dim (an int in the loop model): adjacent
+    ((2, 1, 1, 1), lambda d, t: (slice(None), t, d, t)),
+    ((3, 2, 2, 2), lambda d, t: (t, slice(None), d, t)),  # separated by a slice: first
+    ((2, 2, 3, 2), lambda d, t: (slice(None), t, 0, d)),
+])
+def test_tensor_indices_around_dims_and_ints_go_where_torch_puts_them(shape, make_index):
+    x = torch.arange(float(torch.tensor(shape).prod())).reshape(shape)
+    d = dims(1)
+    check_against_loops(x, make_index(d, torch.tensor([0, 1][:min(shape)])))
+
+
 def test_diagonal_and_gather_of_a_dims_tensor():
     """Indexing a tensor that already has dims with an index over the same dim gathers
     along it per element (Rule 1), as the loop model says."""

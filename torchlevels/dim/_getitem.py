@@ -241,8 +241,10 @@ def _gather(t: torch.Tensor, own: tuple, items: list) -> Any:
         labels.append(("gather", d) if find(index_dims, d) >= 0 else d)
     # where torch places the index's positional dims: in the loop model a dim is an int,
     # and torch selects ints (and 0-dim tensors) first; the tensor indices with dims of
-    # their own go where they stand if adjacent, else first
-    advanced_at = [k for k, i in enumerate(items) if _is_advanced(i) and _ndim(i) > 0]
+    # their own go where they stand if adjacent once those are gone, else first
+    kept = [i for i in items
+            if not (isinstance(i, (int, Dim)) or (_is_advanced(i) and _ndim(i) == 0))]
+    advanced_at = [k for k, i in enumerate(kept) if _is_advanced(i)]
     for i in items:
         if gathers(i):
             labels.append(("gather", i))
@@ -271,7 +273,7 @@ def _gather(t: torch.Tensor, own: tuple, items: list) -> Any:
     # positional order: rest's positional axes, with the index's positional block placed
     # where torch places it (at the first tensor index if they are adjacent, else first)
     rest_positional = [n_index + ndim + k for k, e in enumerate(rest_labels) if e is None]
-    before = sum(1 for i in items[:insert_at] if i is None or isinstance(i, slice))
+    before = sum(1 for i in kept[:insert_at] if i is None or isinstance(i, slice))
     block = list(range(n_index, n_index + ndim))
     positional = rest_positional[:before] + block + rest_positional[before:]
     rest_dims = [n_index + ndim + k for k, e in enumerate(rest_labels) if e is not None]
