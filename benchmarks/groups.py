@@ -25,6 +25,7 @@ import torchlevels
 
 PLAIN, TORCH_FUNC, TORCHLEVELS = "plain (no vmap)", "torch.func", "torchlevels"
 FLOOR = "minimal subclass"  # optional: the cheapest possible per-op __torch_dispatch__
+FUNCTION_FLOOR = "minimal __torch_function__"  # optional: the cheapest per-call Python hook
 LOOP = "Python loop"  # one torch.autograd call per example, stacked
 OPACUS = "Opacus"  # opacus.GradSampleModule: per-sample gradients by backward hooks
 EAGER = "torchlevels (eager)"  # the uncompiled torchlevels composition, beside compiled ones
@@ -49,6 +50,10 @@ REFERENCES: dict[str, Reference] = {r.name: r for r in (
     Reference(FLOOR, "#c4ad66", "a minimal `__torch_dispatch__` subclass that only "
               "unwraps, calls and rewraps (`_MinimalBatched`): the floor for any design "
               "that dispatches each op through Python"),
+    Reference(FUNCTION_FLOOR, "#d9c78c", "a minimal `__torch_function__` subclass that "
+              "only unwraps, calls and rewraps each call before the dispatcher "
+              "(`_MinimalFunction`): the floor for any design that handles each call in "
+              "Python, as torchlevels' shortcuts do"),
     Reference(LOOP, "#55a868", "a Python `for` loop over the examples calling "
               "`torch.autograd.grad` on each and stacking the results: what one writes "
               "without per-sample transforms"),
@@ -135,6 +140,7 @@ def overhead_group() -> list[Benchmark]:
     bench = _three_ways("pointwise chain, 100 ops, (8, 16)", pointwise_chain, pointwise_chain,
                         (x, y), target=1.5)
     bench.impls[FLOOR] = lambda: _MinimalBatched.run(pointwise_chain, x, y)
+    bench.impls[FUNCTION_FLOOR] = lambda: _MinimalFunction.run(pointwise_chain, x, y)
     return [bench]
 
 
@@ -160,6 +166,22 @@ class _MinimalBatched(torch.Tensor):
     @classmethod
     def run(cls, fn, *args):
         return fn(*map(cls.wrap, args)).inner
+
+
+class _MinimalFunction(_MinimalBatched):
+    """The floor for a per-call ``__torch_function__`` design: unwrap, call, rewrap before
+    the dispatcher. Correct only for this benchmark, like ``_MinimalBatched``."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        out = func(*[a.inner if type(a) is cls else a for a in args], **(kwargs or {}))
+        return cls.wrap(out)
+
+    @classmethod
+    def wrap(cls, inner):
+        out = torch.Tensor._make_wrapper_subclass(cls, inner.shape[1:], dtype=inner.dtype)
+        out.inner = inner
+        return out
 
 
 # -- (b) an MLP forward ---------------------------------------------------------------------

@@ -13,6 +13,7 @@ import torch
 
 from benchmarks.groups import (
     FLOOR,
+    FUNCTION_FLOOR,
     IMPL_COLORS,
     PLAIN,
     REFERENCES,
@@ -204,17 +205,21 @@ def render(results: dict[str, list[Result]], groups: dict[str, Group], info: dic
             noise = ", ".join(f"{k} {v.spread:.0%}" for k, v in r.timings.items())
             lines.append(f"- {r.benchmark.name}: {rounds} rounds; interquartile spread / "
                          f"median: {noise}.")
-            if FLOOR in r.timings:
-                floor = r.timings[FLOOR].median
+            if FLOOR in r.timings and FUNCTION_FLOOR in r.timings:
+                floor, function_floor = r.timings[FLOOR].median, r.timings[FUNCTION_FLOOR].median
                 lines.append(
-                    f"  The floor: a minimal `__torch_dispatch__` wrapper that only unwraps, "
+                    f"  The floors: a minimal `__torch_dispatch__` wrapper that only unwraps, "
                     f"calls and rewraps (no levels, no rule lookup; `_MinimalBatched` in "
                     f"benchmarks/groups.py) takes {fmt_time(floor)}, "
-                    f"{floor / t_func(r):.2f}x torch.func, timed in the same rounds. Any "
-                    f"design that dispatches each op through Python pays at least this; "
-                    f"torchlevels is {t_ours(r) / floor:.2f}x the floor."
+                    f"{floor / t_func(r):.2f}x torch.func; the same in `__torch_function__`, "
+                    f"before the dispatcher (`_MinimalFunction`), takes "
+                    f"{fmt_time(function_floor)}, {function_floor / t_func(r):.2f}x torch.func "
+                    f"(same rounds). Any design that handles each call in Python pays at "
+                    f"least the second. torchlevels answers these calls with its shortcuts, "
+                    f"in `__torch_function__`: {t_ours(r) / function_floor:.2f}x that floor."
                 )
-            others = [n for n in r.timings if n in REFERENCES and n not in (PLAIN, FLOOR)]
+            others = [n for n in r.timings
+                      if n in REFERENCES and n not in (PLAIN, FLOOR, FUNCTION_FLOOR)]
             if others:
                 vs = ", ".join(f"{t_ours(r) / r.timings[n].median:.2f}x {n}" for n in others)
                 lines.append(f"  torchlevels against the other references: {vs} "
@@ -222,7 +227,8 @@ def render(results: dict[str, list[Result]], groups: dict[str, Group], info: dic
             lines += [f"  {note}" for note in r.benchmark.notes]
             if r.batching:
                 how = "; ".join(f"`{op}` {h}" for op, h in r.batching.items())
-                lines.append(f"  How torchlevels batched the ops reaching its level: {how}.")
+                lines.append(f"  How torchlevels batched the calls and ops reaching its level: "
+                             f"{how}.")
     return "\n".join(lines) + "\n"
 
 

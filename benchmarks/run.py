@@ -14,6 +14,7 @@ import warnings
 from collections.abc import Iterator
 
 import torch
+import torch.nn.functional as F
 
 from benchmarks import report
 from benchmarks.groups import GROUPS, TORCH_FUNC, TORCHLEVELS, Benchmark
@@ -21,6 +22,7 @@ from benchmarks.report import Result
 from benchmarks.timing import time_interleaved
 from torchlevels import LevelTensor
 from torchlevels.batching.registry import How, resolve
+from torchlevels.batching.shortcuts import SHORTCUTS
 
 
 @contextlib.contextmanager
@@ -44,12 +46,43 @@ def _recording_level_ops() -> Iterator[dict]:
         LevelTensor.__torch_dispatch__ = classmethod(original)
 
 
+@contextlib.contextmanager
+def _recording_shortcuts() -> Iterator[dict]:
+    """Record every call a vmap shortcut answered (before the dispatcher)."""
+    taken: dict = {}
+    original = dict(SHORTCUTS)
+
+    def recording(shortcut):
+        def run(cls, func, args, kwargs):
+            out = shortcut(cls, func, args, kwargs)
+            if out is not None:
+                taken[func] = None
+            return out
+        return run
+
+    SHORTCUTS.update({func: recording(s) for func, s in original.items()})
+    try:
+        yield taken
+    finally:
+        SHORTCUTS.update(original)
+
+
+def _call_name(func) -> str:
+    name = getattr(func, "__name__", str(func))
+    for prefix, namespace in (("torch.", torch), ("Tensor.", torch.Tensor), ("F.", F)):
+        if getattr(namespace, name, None) is func:
+            return prefix + name
+    return name
+
+
 def describe_batching(benchmark: Benchmark) -> dict[str, str]:
-    """For each op reaching the torchlevels level, how the registry batches it."""
-    with warnings.catch_warnings(), _recording_level_ops() as seen:
+    """For each call a vmap shortcut answered, and each op reaching the torchlevels level,
+    how it was batched."""
+    with warnings.catch_warnings(), _recording_shortcuts() as taken, \
+            _recording_level_ops() as seen:
         warnings.simplefilter("ignore")
         benchmark.impls[TORCHLEVELS]()
-    out = {}
+    out = {_call_name(func): "shortcut" for func in taken}
     for func in seen:
         resolved = resolve(func)
         family = f" ({resolved.family})" if resolved.how is How.FAMILY else ""

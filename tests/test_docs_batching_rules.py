@@ -9,7 +9,7 @@ import torch
 from vmap_reference import loop_reference
 
 import torchlevels
-from torchlevels.batching import views
+from torchlevels.batching import shortcuts, views
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "writing-batching-rules.md"
 
@@ -29,8 +29,10 @@ def run_python_blocks(path: Path) -> dict:
 def doc():
     # once per process: a custom op cannot be defined twice
     yield run_python_blocks(DOC)
-    # the doc re-registers aten.unsqueeze; give the other tests the library's own rule back
+    # the doc re-registers aten.unsqueeze, which switches vmap's shortcuts off; give the
+    # other tests the library's own rule and the shortcuts back
     torchlevels.register_batching_rule(torch.ops.aten.unsqueeze.default)(views.unsqueeze)
+    shortcuts.switch_on()
 
 
 def check(f, *args, in_dims):

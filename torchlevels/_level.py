@@ -29,6 +29,7 @@ _innermost: contextvars.ContextVar[type[LevelTensor] | None] = contextvars.Conte
 _DETACH = torch.ops.aten.detach.default
 _AUTOGRAD = torch._C.DispatchKey.AutogradFunctionality
 _autograd_excluded = torch._C._dispatch_tls_is_dispatch_key_excluded
+_no_subclass_torch_function = torch._C.DisableTorchFunctionSubclass
 
 
 class EscapedTensorError(RuntimeError):
@@ -96,6 +97,7 @@ class LevelTensor(torch.Tensor):
     _level: Level
     _inner: torch.Tensor
     __torch_function__ = torch._C._disabled_torch_function_impl
+    _has_torch_function = False  # whether the class answers calls in __torch_function__
 
     def __new__(cls, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         """``B(t, ...)``: ``t`` as a tensor of level ``B`` (for vmap: ``B(t, dim=0)``)."""
@@ -130,7 +132,8 @@ class LevelTensor(torch.Tensor):
             # autograd's own shallow copy (a saved output), not a user's detach: keep the
             # value and its history in every enclosing level (see DESIGN.md, the detach trap)
             return level.rewrap(cls, args[0])
-        return level.dispatch(cls, func, args, kwargs or {})
+        with _no_subclass_torch_function():  # ops inside a level skip vmap's shortcuts
+            return level.dispatch(cls, func, args, kwargs or {})
 
     def __repr__(self) -> str:
         level = type(self)._level
@@ -189,10 +192,21 @@ def escape_message(level: Level, func) -> str:
     )
 
 
-def new_level_class(level: Level, name: str) -> type[LevelTensor]:
-    """Make the class for a new level, a subclass of the innermost live level's class."""
+_disabled_torch_function = torch._C._disabled_torch_function_impl
+
+
+def new_level_class(
+    level: Level, name: str, torch_function: Any = _disabled_torch_function
+) -> type[LevelTensor]:
+    """Make the class for a new level, a subclass of the innermost live level's class.
+
+    ``torch_function`` is its ``__torch_function__`` (vmap's answers common calls before
+    the dispatcher); a level class never inherits its parent's.
+    """
     parent = _innermost.get() or LevelTensor
-    return type(name, (parent,), {"_level": level, "__module__": __name__})
+    namespace = {"_level": level, "__module__": __name__, "__torch_function__": torch_function,
+                 "_has_torch_function": torch_function is not _disabled_torch_function}
+    return type(name, (parent,), namespace)
 
 
 @contextmanager

@@ -13,3 +13,6 @@ from torchlevels.batching import (  # noqa: F401
     reductions,
     views,
 )
+from torchlevels.batching.registry import builtins_loaded
+
+builtins_loaded()

@@ -25,6 +25,8 @@ from typing import Any
 import torch
 from torch._ops import OpOverload, OpOverloadPacket
 
+from torchlevels.batching import shortcuts
+
 Rule = Callable[[OpOverload, tuple, tuple, dict], tuple[Any, Any]]
 
 
@@ -72,6 +74,8 @@ def register(
         for op in ops:
             _own[op] = (rule, takes_level)
         resolved_by_id.clear()
+        if _builtins_loaded and any(op.namespace == "aten" for op in ops):
+            shortcuts.switch_off()  # the user's rule must see every call of the op
         return rule
 
     return deco
@@ -81,6 +85,17 @@ def register_family(name: str, applies: Callable[[OpOverload], bool], rule: Rule
     """Register a rule for every op for which ``applies(op)`` holds (first match wins)."""
     _families.append((name, applies, rule))
     resolved_by_id.clear()
+    if _builtins_loaded:
+        shortcuts.switch_off()
+
+
+_builtins_loaded = False
+
+
+def builtins_loaded() -> None:
+    """The library's own rules are in: rules registered from now on are users'."""
+    global _builtins_loaded
+    _builtins_loaded = True
 
 
 def skip_decomposition(*ops: OpOverload) -> None:

@@ -1,0 +1,236 @@
+"""vmap's shortcuts (batching/shortcuts.py): each call taken or declined as designed, and
+every result equal to torch.func.vmap's on the same inputs."""
+
+import contextlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.func import vmap as func_vmap
+from torch.overrides import TorchFunctionMode
+
+import torchlevels
+from torchlevels import EscapedTensorError, vmap
+from torchlevels.batching import registry, shortcuts
+from torchlevels.batching.pointwise import pointwise_rule
+from torchlevels.batching.shortcuts import POINTWISE_DUNDERS, POINTWISE_NAMES, SHORTCUTS
+from torchlevels.vmap import BatchLevel
+
+assert_close = torch.testing.assert_close
+
+
+@contextlib.contextmanager
+def counting_dispatches():
+    """Count the ops that reach a vmap level's ``__torch_dispatch__`` (not shortcut)."""
+    calls = []
+    original = BatchLevel.dispatch
+
+    def dispatch(self, cls, func, args, kwargs):
+        calls.append(func)
+        return original(self, cls, func, args, kwargs)
+
+    BatchLevel.dispatch = dispatch
+    try:
+        yield calls
+    finally:
+        BatchLevel.dispatch = original
+
+
+def same(f, *args, shortcut: bool, in_dims=0):
+    """torchlevels.vmap(f) equals torch.func.vmap(f); ``shortcut``: no op reached dispatch."""
+    with counting_dispatches() as calls:
+        ours = vmap(f, in_dims=in_dims)(*args)
+    assert_close(ours, func_vmap(f, in_dims=in_dims)(*args), equal_nan=True)
+    assert (not calls) == shortcut, f"ops that reached dispatch: {calls}"
+    return ours
+
+
+def _inputs(func, batch: int, shape: tuple) -> list[torch.Tensor]:
+    """As many batched inputs as ``func`` takes: floats in (0.1, 0.9), inside every
+    function's domain, or integers for the bitwise ops."""
+    makers = (lambda: torch.rand(batch, *shape) * 0.8 + 0.1,
+              lambda: torch.randint(1, 9, (batch, *shape)))
+    for make in makers:
+        for n in (1, 2, 3):
+            try:
+                out = func(*[make()[0] for _ in range(n)])
+            except (TypeError, RuntimeError):
+                continue
+            if isinstance(out, torch.Tensor):  # not NotImplemented from a dunder
+                return [make() for _ in range(n)]
+    raise AssertionError(f"{func} takes none of 1-3 float or int tensors")
+
+
+POINTWISE = [getattr(torch, n) for n in POINTWISE_NAMES] + [
+    getattr(torch.Tensor, n) for n in POINTWISE_NAMES + POINTWISE_DUNDERS
+]
+
+
+@pytest.mark.parametrize("func", POINTWISE, ids=lambda f: f"{getattr(f, '__qualname__', f)}")
+def test_every_pointwise_shortcut_is_elementwise(func):
+    """The list is honest: each function, run on the physical batch, is vmap's answer."""
+    xs = _inputs(func, 4, (3,))
+    same(func, *xs, shortcut=True)
+    if len(xs) > 1:  # a second operand unbatched, of lower rank: still one physical call
+        same(func, xs[0], xs[1][0, :1].clone(), *xs[2:], in_dims=(0, None, *[0] * (len(xs) - 2)),
+             shortcut=True)
+
+
+x4, y4 = torch.randn(4, 5), torch.randn(4, 5)
+CASES = {
+    # name: (function, args, in_dims, whether the shortcut takes it)
+    "scalar operand": (lambda x: torch.mul(x, 0.5), (x4,), 0, True),
+    "alpha keyword": (lambda x, y: torch.add(x, y, alpha=2), (x4, y4), 0, True),
+    "clamp with numbers": (lambda x: x.clamp(min=-0.5, max=0.5), (x4,), 0, True),
+    "clamp with a tensor bound": (lambda x, y: x.clamp(min=y), (x4, y4), 0, False),
+    "batch dim not first": (torch.sin, (x4.t(),), 1, False),
+    "unbatched operand of higher rank": (torch.add, (x4, torch.randn(2, 5)), (0, None), False),
+    "batched 0-dim and unbatched 0-dim of another dtype": (
+        torch.add, (torch.randn(4), torch.tensor(2.0, dtype=torch.float64)), (0, None), False),
+    "batched 0-dim and a number": (lambda x: x + 2, (torch.randint(0, 5, (4,)),), 0, True),
+    "operands of different logical rank": (torch.mul, (x4, torch.randn(4, 3, 5)), 0, False),
+    "relu": (F.relu, (x4,), 0, True),
+    "relu in place": (lambda x: F.relu(x.clone(), inplace=True), (x4,), 0, False),
+    "leaky_relu, slope positional": (lambda x: F.leaky_relu(x, 0.1), (x4,), 0, True),
+    "gelu tanh": (lambda x: F.gelu(x, approximate="tanh"), (x4,), 0, True),
+    "linear": (lambda x, w, b: F.linear(x, w, b), (torch.randn(4, 3, 5), torch.randn(2, 5),
+                                                   torch.randn(2)), (0, None, None), True),
+    "linear, batched weight": (F.linear, (x4, torch.randn(4, 2, 5)), 0, False),
+    "linear of a vector": (F.linear, (x4, torch.randn(2, 5)), (0, None), True),
+    "conv2d of one image": (lambda x, w: F.conv2d(x, w, padding=1), (
+        torch.randn(4, 3, 6, 6), torch.randn(2, 3, 3, 3)), (0, None), True),
+    "conv2d of an image batch": (lambda x, w: F.conv2d(x, w), (
+        torch.randn(4, 2, 3, 6, 6), torch.randn(2, 3, 3, 3)), (0, None), False),
+    "conv1d, bias keyword": (lambda x, w, b: F.conv1d(x, w, bias=b, stride=2), (
+        torch.randn(4, 3, 9), torch.randn(2, 3, 3), torch.randn(2)), (0, None, None), True),
+    "max_pool2d with indices": (lambda x: F.max_pool2d(x, 2, return_indices=True), (
+        torch.randn(4, 3, 6, 6),), 0, True),
+    "avg_pool1d": (lambda x: F.avg_pool1d(x, 2), (torch.randn(4, 3, 6),), 0, True),
+    "adaptive_avg_pool2d": (lambda x: F.adaptive_avg_pool2d(x, 2), (
+        torch.randn(4, 3, 6, 6),), 0, True),
+    "flatten": (lambda x: x.flatten(), (torch.randn(4, 2, 3, 5),), 0, True),
+    "flatten(1)": (lambda x: x.flatten(1), (torch.randn(4, 2, 3, 5),), 0, True),
+    "torch.flatten(x, 0, -2)": (lambda x: torch.flatten(x, 0, -2), (torch.randn(4, 2, 3, 5),),
+                                0, True),
+    "flatten(start_dim=1)": (lambda x: x.flatten(start_dim=1), (torch.randn(4, 2, 3, 5),), 0,
+                             True),
+    "flatten of a 0-dim example": (lambda x: x.flatten(), (torch.randn(4),), 0, False),
+    "sum (no shortcut)": (lambda x: x.sum(), (x4,), 0, False),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_taken_or_declined_and_equal_to_torch_func(case):
+    func, args, in_dims, shortcut = CASES[case]
+    same(func, *args, in_dims=in_dims, shortcut=shortcut)
+
+
+def test_nested_vmap_takes_shortcuts_at_every_level():
+    w = torch.randn(3, 5)
+    f = lambda x, y: F.linear(torch.tanh(x * y), w)  # noqa: E731
+    x, y = torch.randn(2, 4, 5), torch.randn(2, 4, 5)
+    with counting_dispatches() as calls:
+        ours = vmap(vmap(f))(x, y)
+    assert_close(ours, func_vmap(func_vmap(f))(x, y))
+    assert not calls
+    # y batched at the outer level only: an unbatched operand at the inner one, which
+    # hands it on; the outer level then sees operands of two ranks (its batching rule)
+    with counting_dispatches() as calls:
+        mixed = vmap(vmap(f, in_dims=(0, None)))(x, y[:, 0])
+    assert_close(mixed, func_vmap(func_vmap(f, in_dims=(0, None)))(x, y[:, 0]))
+    assert [str(op) for op in calls] == ["aten.mul.Tensor"]
+
+
+def test_outer_autograd_sees_the_ops_of_inputs_that_require_grad():
+    w = torch.randn(3, 5, requires_grad=True)
+    x = torch.randn(4, 5, requires_grad=True)
+    f = lambda x: F.linear(torch.sin(x) * 2, w).relu()  # noqa: E731
+    for transform in (vmap, func_vmap):
+        transform(f)(x).square().sum().backward()
+    theirs = [t.grad.clone() for t in (x, w)]
+    x.grad = w.grad = None
+    vmap(f)(x).square().sum().backward()
+    assert_close([x.grad, w.grad], [t / 2 for t in theirs])  # each ran backward once more
+
+
+@pytest.mark.parametrize("outer", ["grad", "jvp", "jacrev"])
+def test_shortcut_ops_under_autodiff(outer):
+    w = torch.randn(5, 5)
+
+    def f(x):
+        return F.linear(torch.tanh(x) * x, w).flatten().relu().sum()
+
+    x = torch.randn(4, 5)
+    for lib in (torchlevels, torch.func):
+        inner = {"grad": lib.grad(f), "jacrev": lib.jacrev(f),
+                 "jvp": lambda x, lib=lib: lib.jvp(f, (x,), (torch.ones_like(x),))[1]}[outer]
+        result = lib.vmap(inner)(x)
+        if lib is torchlevels:
+            ours = result
+    assert_close(ours, result)
+    ours = torchlevels.grad(lambda x: torchlevels.vmap(f)(x).sum())(x)
+    assert_close(ours, torch.func.grad(lambda x: torch.func.vmap(f)(x).sum())(x))
+
+
+def test_an_escaped_tensor_still_raises():
+    box = []
+    vmap(lambda x: box.append(x) or x)(x4)
+    with pytest.raises(EscapedTensorError, match="escaped"):
+        torch.sin(box[0])
+
+
+def test_a_torch_function_mode_sees_the_user_call():
+    seen = []
+
+    class Recording(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with Recording():
+        ours = vmap(torch.sin)(x4)
+    assert torch.sin in seen
+    assert_close(ours, torch.sin(x4))
+
+
+def test_a_foreign_torch_function_subclass_goes_first():
+    calls = []
+
+    class Tagged(torch.Tensor):
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            calls.append(func)
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+
+    tag = torch.randn(5).as_subclass(Tagged)
+    ours = vmap(lambda x: torch.add(x, tag), in_dims=0)(x4)
+    assert torch.add in calls
+    assert_close(ours.as_subclass(torch.Tensor), x4 + tag.as_subclass(torch.Tensor))
+
+
+def test_a_users_rule_for_an_aten_op_switches_the_shortcuts_off():
+    seen = []
+
+    def sin_rule(func, args, dims, kwargs):
+        seen.append(func)
+        return pointwise_rule(func, args, dims, kwargs)
+
+    try:
+        torchlevels.register_batching_rule(torch.ops.aten.sin.default)(sin_rule)
+        assert not SHORTCUTS
+        assert_close(vmap(torch.sin)(x4), torch.sin(x4))
+        assert seen == [torch.ops.aten.sin.default]
+    finally:  # the library's own state back: sin batched by its family, shortcuts on
+        registry._own.pop(torch.ops.aten.sin.default)
+        registry.resolved_by_id.clear()
+        shortcuts.switch_on()
+    assert SHORTCUTS
+
+
+def test_only_vmap_levels_have_shortcuts():
+    with torchlevels.vmap() as B:
+        assert B.__torch_function__.__func__.__module__ == "torchlevels.batching.shortcuts"
+        with torchlevels.grad_level() as G:
+            assert G.__torch_function__ is torch._C._disabled_torch_function_impl
+    assert len(SHORTCUTS) > 100

@@ -1,0 +1,275 @@
+"""Shortcuts: everyday calls on batched tensors answered before PyTorch's dispatcher.
+
+A vmap level's ``__torch_dispatch__`` sees an op only after the dispatcher has taken it
+through the Python key, and a round trip there costs several microseconds per op: most
+of the time of a chain of small ops. For the calls that dominate everyday code
+(pointwise math, ``F.linear``, convolution and pooling of one example), the batched
+answer is the same call on the physical tensor with the batch dim first, so the level's
+``__torch_function__`` makes that call directly.
+
+A shortcut only ever declines (returns None): then the call takes the usual way, through
+the dispatcher to the level's batching rule. It declines whenever anything is unusual: a
+batch dim that is not first, a tensor of another level or subclass, a tensor that
+requires grad or a live forward-AD level (autograd must see the op on the wrapper), an
+in-place call, an ``out=`` argument.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.autograd.forward_ad as forward_ad
+import torch.nn.functional as F
+
+from torchlevels._level import LevelTensor
+from torchlevels.batching.predispatch import unintercepted
+
+_make_wrapper_subclass = torch.Tensor._make_wrapper_subclass
+_disabled = torch._C._disabled_torch_function_impl
+_no_subclass_torch_function = torch._C.DisableTorchFunctionSubclass
+_enable_torch_function = torch._C._EnableTorchFunction
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_NUMBERS = (int, float, bool, complex)
+
+Shortcut = Callable[[type, Callable, tuple, dict], Any]  # the result, or None to decline
+SHORTCUTS: dict[Callable, Shortcut] = {}  # empty once switched off
+_BUILTIN: dict[Callable, Shortcut] = {}
+
+
+def switch_off() -> None:
+    """No more shortcuts in this process: every call reaches the batching rules.
+
+    Registering a batching rule for an aten op (or a family) does this, so the user's
+    rule sees every call, even those a shortcut would have answered first.
+    """
+    SHORTCUTS.clear()
+
+
+def switch_on() -> None:
+    """The shortcuts back (after :func:`switch_off`)."""
+    SHORTCUTS.update(_BUILTIN)
+
+
+def torch_function(cls, func, types, args=(), kwargs=None):
+    """A vmap level class's ``__torch_function__``: a shortcut for ``func`` if it applies."""
+    shortcut = SHORTCUTS.get(func)
+    if shortcut is not None and cls._level.alive and forward_ad._current_level < 0:
+        with _no_subclass_torch_function():
+            out = shortcut(cls, func, args, kwargs or _EMPTY)
+        if out is not None:
+            return out
+    for t in types:
+        if t is not torch.Tensor and not issubclass(t, LevelTensor):
+            return _foreign(func, types, args, kwargs or _EMPTY)
+    return _disabled(func, types, args, kwargs or _EMPTY)
+
+
+def _foreign(func, types, args, kwargs):
+    """A call with a foreign subclass that has a ``__torch_function__``: it answers, as if
+    vmap had none (its tensors reach vmap's ``__torch_dispatch__`` as ever)."""
+    others = tuple(t for t in types if not issubclass(t, LevelTensor))
+    for t in others:
+        out = t.__torch_function__(func, others, args, kwargs)
+        if out is not NotImplemented:
+            return out
+    return NotImplemented
+
+
+_EMPTY: dict = {}
+
+
+def wrap_front(cls, out: torch.Tensor) -> torch.Tensor:
+    """``out``, whose dim 0 is the batch, as a tensor of level ``cls``."""
+    if out.is_contiguous() and not out.storage_offset():  # the wrapper's default layout
+        wrapped = _make_wrapper_subclass(cls, out.shape[1:], dtype=out.dtype, device=out.device)
+    else:
+        shape, strides = out.shape, out.stride()
+        wrapped = _make_wrapper_subclass(
+            cls, shape[1:], strides=strides[1:], storage_offset=out.storage_offset(),
+            dtype=out.dtype, device=out.device,
+        )
+    wrapped._inner = out
+    wrapped._bdim = 0
+    return wrapped
+
+
+def _wrap_all(cls, out: Any) -> Any:
+    if isinstance(out, torch.Tensor):
+        return wrap_front(cls, out)
+    return tuple(wrap_front(cls, o) for o in out)
+
+
+def _own(cls, a: Any) -> torch.Tensor | None:
+    """The physical tensor of ``a`` if it is ours, batched first, and nothing needs grad."""
+    if type(a) is not cls or a._bdim or a.requires_grad:
+        return None
+    inner = a._inner
+    return inner if _passable(inner) else None
+
+
+def _passable(a: Any) -> bool:
+    """Whether tensor ``a``, without grad, is plain or of an enclosing vmap level (whose
+    own shortcuts or rules then take the call)."""
+    t = type(a)
+    return (t in _PLAIN or (issubclass(t, LevelTensor) and t._has_torch_function)) and (
+        not a.requires_grad)
+
+
+def _unbatched(cls, a: Any) -> bool:
+    """Whether tensor ``a`` is unbatched at level ``cls`` and can be handed on as is."""
+    t = type(a)
+    return _passable(a) and (t in _PLAIN or (t is not cls and issubclass(cls, t)))
+
+
+def _call(func, args, kwargs):
+    """``func`` on physical tensors, with tensors of enclosing vmap levels free to take
+    their own shortcuts."""
+    for a in args:
+        if isinstance(a, LevelTensor):
+            with _enable_torch_function():
+                return func(*args, **kwargs)
+    return func(*args, **kwargs)
+
+
+# -- pointwise: batched tensors of one logical rank, unbatched ones no higher ----------------
+
+
+def pointwise(cls, func, args, kwargs):
+    """Elementwise math: the physical tensors broadcast as the logical ones do."""
+    if kwargs and any(isinstance(v, torch.Tensor) for v in kwargs.values()):
+        return None
+    phys = []
+    rank = -1  # the logical rank of the batched tensors (all ours are batched first, no grad)
+    plain_rank = -1  # the largest rank of an unbatched tensor
+    nested = False  # whether a tensor of an enclosing level is handed on
+    for a in args:  # the hot loop of a chain of small ops: _own and _unbatched, inlined
+        t = type(a)
+        if t is cls:
+            if a._bdim or a.requires_grad:
+                return None
+            inner = a._inner
+            if type(inner) is torch.Tensor:
+                if inner.requires_grad:
+                    return None
+            elif _passable(inner):
+                nested = True
+            else:
+                return None
+            if rank != inner.dim() - 1:
+                if rank != -1:
+                    return None
+                rank = inner.dim() - 1
+            phys.append(inner)
+        elif t in _NUMBERS:
+            phys.append(a)
+        elif t in _PLAIN or (isinstance(a, LevelTensor) and _unbatched(cls, a)):
+            if a.requires_grad:
+                return None
+            nested = nested or t not in _PLAIN
+            plain_rank = max(plain_rank, a.dim())
+            phys.append(a)
+        else:
+            return None
+    # a batched 0-dim tensor is physically 1-dim and would promote types as one
+    if rank == -1 or plain_rank > rank or (plain_rank != -1 and rank == 0):
+        return None
+    if nested:
+        with _enable_torch_function():
+            out = func(*phys, **kwargs)
+        return wrap_front(cls, out)
+    return wrap_front(cls, func(*phys, **kwargs))
+
+
+def activation(cls, func, args, kwargs):
+    """``F.relu`` and kin: pointwise, unless asked to work in place."""
+    if kwargs.get("inplace") or any(a is True for a in args[1:]):
+        return None
+    return pointwise(cls, func, args, kwargs)
+
+
+# -- calls that take examples with or without a leading batch dim ---------------------------
+
+
+def _unbatched_rest(cls, args, kwargs) -> bool:
+    """Whether every tensor argument but the first is unbatched at level ``cls``."""
+    return all(_unbatched(cls, a) for a in (*args[1:], *kwargs.values())
+               if isinstance(a, torch.Tensor))
+
+
+def leading_dims(cls, func, args, kwargs):
+    """``F.linear`` and kin take any number of leading dims: the batch is one more."""
+    inner = _own(cls, args[0])
+    if inner is None or inner.dim() < 2 or not _unbatched_rest(cls, args, kwargs):
+        return None
+    if type(inner) is torch.Tensor:
+        with unintercepted():  # no level's tensor left: skip vmap's composite-op hook
+            return _wrap_all(cls, func(inner, *args[1:], **kwargs))
+    return _wrap_all(cls, _call(func, (inner, *args[1:]), kwargs))
+
+
+def example_rank(rank: int) -> Shortcut:
+    """Convolution, pooling: one example has ``rank`` dims, and a batch of them one more."""
+
+    def shortcut(cls, func, args, kwargs):
+        inner = _own(cls, args[0])
+        if inner is None or inner.dim() != rank + 1 or not _unbatched_rest(cls, args, kwargs):
+            return None
+        return _wrap_all(cls, _call(func, (inner, *args[1:]), kwargs))
+
+    return shortcut
+
+
+def flatten(cls, func, args, kwargs):
+    """``x.flatten(start_dim, end_dim)``: the same dims of each example."""
+    inner = _own(cls, args[0])
+    params = {**dict(zip(("start_dim", "end_dim"), args[1:])), **kwargs}
+    start, end = params.pop("start_dim", 0), params.pop("end_dim", -1)
+    if inner is None or params or type(start) is not int or type(end) is not int:
+        return None
+    rank = inner.dim() - 1
+    if not (-rank <= start < rank and -rank <= end < rank) or start % rank > end % rank:
+        return None  # 0-dim, or out of range: the usual path raises torch's error
+    return wrap_front(cls, _call(torch.flatten, (inner, start % rank + 1, end % rank + 1), {}))
+
+
+def _declare(shortcut: Shortcut, *funcs: Callable) -> None:
+    for func in funcs:
+        SHORTCUTS[func] = shortcut
+
+
+# torch.<name> and Tensor.<name>, and Tensor's operators: elementwise, each tested against
+# torch.func.vmap in tests/test_shortcuts.py
+POINTWISE_NAMES = [
+    "abs", "acos", "acosh", "asin", "asinh", "atan", "atanh", "ceil", "cos", "cosh",
+    "deg2rad", "digamma", "erf", "erfc", "erfinv", "exp", "exp2", "expm1", "floor", "frac",
+    "lgamma", "log", "log10", "log1p", "log2", "logical_not", "nan_to_num", "neg",
+    "negative", "rad2deg", "reciprocal", "relu", "round", "rsqrt", "sigmoid", "sign",
+    "sgn", "sin", "sinc", "sinh", "sqrt", "square", "tan", "tanh", "trunc", "isnan",
+    "bitwise_not", "clamp", "clip", "clamp_min", "clamp_max", "pow", "float_power", "add",
+    "sub", "subtract", "mul", "multiply", "div", "divide", "true_divide", "floor_divide",
+    "remainder", "fmod", "atan2", "maximum", "minimum", "fmax", "fmin", "eq", "ne", "lt",
+    "le", "gt", "ge", "logical_and", "logical_or", "logical_xor", "bitwise_and",
+    "bitwise_or", "bitwise_xor", "hypot", "copysign", "xlogy", "lerp", "addcmul",
+    "addcdiv", "heaviside", "logaddexp", "logaddexp2",
+]
+POINTWISE_DUNDERS = [
+    "__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__",
+    "__rtruediv__", "__pow__", "__rpow__", "__neg__", "__abs__", "__eq__", "__ne__",
+    "__lt__", "__le__", "__gt__", "__ge__", "__and__", "__or__", "__xor__", "__invert__",
+    "__floordiv__", "__mod__",
+]
+ACTIVATIONS = (F.relu, F.silu, F.gelu, F.leaky_relu, F.elu, F.softplus, F.mish, F.hardtanh)
+
+_declare(pointwise, *(getattr(torch, n) for n in POINTWISE_NAMES))
+_declare(pointwise, *(getattr(torch.Tensor, n) for n in POINTWISE_NAMES + POINTWISE_DUNDERS))
+_declare(activation, *ACTIVATIONS)
+_declare(leading_dims, F.linear)
+_declare(flatten, torch.flatten, torch.Tensor.flatten)
+for _n in (1, 2, 3):
+    _declare(example_rank(_n + 1), *(getattr(F, f"{name}{_n}d{suffix}") for name, suffix in (
+        ("conv", ""), ("max_pool", ""), ("max_pool", "_with_indices"), ("avg_pool", ""),
+        ("adaptive_avg_pool", ""), ("adaptive_max_pool", ""),
+        ("adaptive_max_pool", "_with_indices"))))
+_BUILTIN.update(SHORTCUTS)
