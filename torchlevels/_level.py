@@ -209,15 +209,24 @@ def new_level_class(
     return type(name, (parent,), namespace)
 
 
-@contextmanager
-def entered(cls: type[LevelTensor]) -> Iterator[type[LevelTensor]]:
-    """Make ``cls`` the innermost live level while the block runs; it is dead after."""
-    token = _innermost.set(cls)
-    try:
-        yield cls
-    finally:
-        cls._level.alive = False
-        _innermost.reset(token)
+class entered:  # lower case: used like the function it replaced, `with entered(cls)`
+    """Make ``cls`` the innermost live level while the block runs; it is dead after.
+
+    A class rather than a generator: it runs on every transform call.
+    """
+
+    __slots__ = ("cls", "token")
+
+    def __init__(self, cls: type[LevelTensor]) -> None:
+        self.cls = cls
+
+    def __enter__(self) -> type[LevelTensor]:
+        self.token = _innermost.set(self.cls)
+        return self.cls
+
+    def __exit__(self, *exc: object) -> None:
+        self.cls._level.alive = False
+        _innermost.reset(self.token)
 
 
 @contextmanager

@@ -235,12 +235,16 @@ def _is_inplace_output(func, i, args, cls) -> bool:
 # -- the public API -----------------------------------------------------------------------
 
 
+def new_batch_class(randomness: str = "error", batch_size: int | None = None) -> type:
+    """The class of a fresh vmap level (not yet entered)."""
+    level = BatchLevel(randomness, batch_size)
+    return new_level_class(level, "BatchedTensor", classmethod(shortcuts.torch_function))
+
+
 @contextlib.contextmanager
 def batch_level(randomness: str = "error", batch_size: int | None = None) -> Iterator[type]:
     """Enter a fresh vmap level; yields its class (see :func:`vmap` with no function)."""
-    level = BatchLevel(randomness, batch_size)
-    cls = new_level_class(level, "BatchedTensor", classmethod(shortcuts.torch_function))
-    with entered(cls), predispatch.hook():
+    with entered(new_batch_class(randomness, batch_size)) as cls, predispatch.hook():
         yield cls
 
 
@@ -301,6 +305,18 @@ def _name(func: Callable) -> str:
 
 
 def _flat_inputs(func, in_dims, args) -> tuple[list, list, Any, int]:
+    """The inputs as a flat list, their batch dims, the pytree spec (None when ``args``
+    are all tensors mapped over one dim: the common case, without pytree work) and the
+    batch size."""
+    if type(in_dims) is int and args and all(type(a) is torch.Tensor for a in args):
+        sizes = set()
+        for a in args:
+            if not -a.dim() <= in_dims < a.dim():
+                break  # the general path raises the error
+            sizes.add(a.shape[in_dims])
+        else:
+            if len(sizes) == 1:
+                return list(args), [in_dims % a.dim() for a in args], None, sizes.pop()
     name = _name(func)
     if not isinstance(in_dims, (int, tuple)) and in_dims is not None:
         raise ValueError(
@@ -361,9 +377,11 @@ def _broadcast_prefix(prefix: Any, spec: TreeSpec) -> list | None:
 
 
 def _vmap_call(func, flat_args, flat_dims, spec, kwargs, out_dims, randomness, size):
-    with batch_level(randomness, size) as B:
+    with entered(new_batch_class(randomness, size)) as B, predispatch.hook():
         batched = [a if d is None else wrap_batched(B, a, d) for a, d in zip(flat_args, flat_dims)]
-        out = func(*tree_unflatten(batched, spec), **kwargs)
+        out = func(*(batched if spec is None else tree_unflatten(batched, spec)), **kwargs)
+        if type(out) is B and type(out_dims) is int:  # one batched tensor: no pytree work
+            return B._level.unwrap(B, out, out_dims)
         flat_out, out_spec = tree_flatten(out)
         flat_out_dims = _broadcast_prefix(out_dims, out_spec)
         name = _name(func)

@@ -10,8 +10,7 @@ those registered here, the way functorch uses its ``FuncTorchVmapMode`` key.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -40,12 +39,17 @@ def unintercepted() -> torch._C._ExcludeDispatchKeyGuard:
     return torch._C._ExcludeDispatchKeyGuard(_ONLY_PRE_DISPATCH)
 
 
-@contextlib.contextmanager
-def hook() -> Iterator[None]:
-    """Route intercepted ops through their handlers while the block runs (this thread)."""
-    before = torch._C._dispatch_tls_is_dispatch_key_included(_PRE_DISPATCH)
-    torch._C._dispatch_tls_set_dispatch_key_included(_PRE_DISPATCH, True)
-    try:
-        yield
-    finally:
-        torch._C._dispatch_tls_set_dispatch_key_included(_PRE_DISPATCH, before)
+class hook:  # lower case: used like a function, `with hook()`
+    """Route intercepted ops through their handlers while the block runs (this thread).
+
+    A class rather than a generator: it runs on every vmap call.
+    """
+
+    __slots__ = ("before",)
+
+    def __enter__(self) -> None:
+        self.before = torch._C._dispatch_tls_is_dispatch_key_included(_PRE_DISPATCH)
+        torch._C._dispatch_tls_set_dispatch_key_included(_PRE_DISPATCH, True)
+
+    def __exit__(self, *exc: object) -> None:
+        torch._C._dispatch_tls_set_dispatch_key_included(_PRE_DISPATCH, self.before)
