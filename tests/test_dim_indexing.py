@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.testing import assert_close
 
-from torchlevels.dim import Dim, Tensor, dims
+import torchlevels.dim
+from torchlevels.dim import Dim, DimensionBindError, Tensor, dims
 
 
 def _value_at(obj, env):
@@ -80,6 +81,69 @@ def cases(draw):
 def test_indexing_matches_the_loop_model(case):
     x, index = case
     check_against_loops(x, index)
+
+
+def check_assignment_against_loops(x, index):
+    """``y[index] = y[index] * 2 + 1`` (dims on both sides) against the loop model, which
+    assigns element by element. Every written element gets the value read from it, so
+    repeated index entries agree on what they write."""
+    ours = x.clone()
+    read = ours[index]
+    result_dims = read.dims if isinstance(read, Tensor) else ()
+    ours[index] = read * 2 + 1
+    expected = x.clone()
+    for values in itertools.product(*(range(d.size) for d in result_dims)):
+        env = {id(d): v for d, v in zip(result_dims, values)}
+        plain_index = tuple(_value_at(i, env) for i in index)
+        expected[plain_index] = x[plain_index] * 2 + 1
+    assert_close(ours, expected, msg=lambda m: f"{index}: {m}")
+
+
+@settings(max_examples=200, deadline=None)
+@given(cases())
+def test_assignment_matches_the_loop_model(case):
+    x, index = case
+    check_assignment_against_loops(x, index)
+
+
+@pytest.mark.parametrize("make_index", [
+    lambda d, m1, m2: (d, m1),  # a mask over one dim
+    lambda d, m1, m2: (m1, d),
+    lambda d, m1, m2: (d, m2),  # a mask over two dims
+    lambda d, m1, m2: (d, None, m1, slice(1, None)),
+    lambda d, m1, m2: (m1, slice(None), d),  # mask and dim apart
+])
+def test_boolean_masks_beside_dims_read_and_write_as_torch(make_index):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 4, 5, generator=g)
+    d = dims(1)
+    index = make_index(d, torch.rand(4, generator=g) > 0.5, torch.rand(4, 5, generator=g) > 0.5)
+    if index[0] is not d:  # the mask indexes dim 0 of size 3
+        index = make_index(d, torch.rand(3, generator=g) > 0.5, None)
+    check_against_loops(x, index)
+    check_assignment_against_loops(x, index)
+
+
+def test_a_boolean_mask_of_the_wrong_shape_is_an_error():
+    i = dims(1)
+    with pytest.raises(IndexError, match=r"mask \(2,\) at index 1 does not match the shape"):
+        torch.randn(3, 4)[i, torch.tensor([True, False])]
+
+
+def test_assignment_through_tensor_indices_matches_functorch_dim():
+    fdim = pytest.importorskip("functorch.dim")
+    a, w, idx = torch.randn(3, 4, 5), torch.tensor([1, 3, 0]), torch.tensor([0, 2])
+    results = []
+    for lib in (fdim, torchlevels.dim):
+        i, j = lib.dims(2)
+        c, d = torch.zeros(3, 4, 5), torch.zeros(3, 4, 5)
+        c[i, idx] = a[i, idx] + 1  # a plain index tensor
+        d[i, w[i], j] = a[i, w[i], j] * 3  # an index computed from a dim
+        results.append((c, d))
+    assert_close(results[0], results[1])
+    i, j = torchlevels.dim.dims(2)
+    with pytest.raises(DimensionBindError, match="not among them"):
+        torch.zeros(3, 4, 5)[i, idx] = a[i, idx, j]  # j is not in the left side
 
 
 @pytest.mark.parametrize("shape, make_index", [

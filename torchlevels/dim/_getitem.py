@@ -52,22 +52,14 @@ def setitem(x: Any, index: Any, value: Any) -> None:
     t, own = (storage(x, None), x._dims) if isinstance(x, _Tensor) else (x, ())
     t, items = _parse(t, own, index)
     if any(_is_advanced(i) for i in items):
-        raise NotImplementedError(
-            "assigning through tensor indices together with first-class dims is not "
-            "supported; compute the new values with torch.where instead"
-        )
+        _scatter(t, own, items, value)
+        return
     view = _view(t, own, items)
     if not isinstance(view, Tensor):
         view[...] = value
         return
     if isinstance(value, _Tensor):
-        dims, _, _ = union([value])
-        missing = [d for d in dims if find(view._dims, d) < 0]
-        if missing:
-            raise ValueError(
-                f"cannot assign a value with dims {value._dims} to a tensor indexed with dims "
-                f"{view._dims}: {tuple(missing)} are not among them"
-            )
+        _check_value_dims(value, view._dims)
         value = align(value, view._dims, view.ndim, view._tensor.device)
     view._tensor[...] = value
 
@@ -75,7 +67,8 @@ def setitem(x: Any, index: Any, value: Any) -> None:
 # -- parsing ----------------------------------------------------------------------------
 def _parse(t: torch.Tensor, own: tuple, index: Any) -> tuple[torch.Tensor, list]:
     """``t`` with split dims unflattened, and one index entry per positional dim."""
-    items = _expand(list(index) if isinstance(index, tuple) else [index], t.ndim - len(own))
+    items = _expand(list(index) if isinstance(index, tuple) else [index], t.ndim - len(own),
+                    t.shape[len(own):])
     return _split(t, len(own), items)
 
 
@@ -91,9 +84,23 @@ def _is_advanced(item: Any) -> bool:
     )
 
 
-def _expand(items: list, ndim: int) -> list:
-    """One entry per positional dim (or ``None``): Ellipsis and dim lists expanded, splits
-    marked, trailing dims filled with ``:``."""
+def _mask_indices(mask: torch.Tensor, shape: torch.Size, at: int) -> tuple:
+    """A boolean mask over the dims ``shape`` (from positional dim ``at``) as the index
+    tensors of its true entries, as torch reads it."""
+    if mask.ndim == 0 or tuple(mask.shape) != tuple(shape):
+        raise IndexError(
+            f"the shape of the boolean mask {tuple(mask.shape)} at index {at} does not match "
+            f"the shape {tuple(shape)} of the dims it indexes"
+            + (" (a 0-dim mask is not supported with first-class dims)" if mask.ndim == 0
+               else "")
+        )
+    return mask.nonzero().unbind(1)
+
+
+def _expand(items: list, ndim: int, shape: torch.Size) -> list:
+    """One entry per positional dim (or ``None``): Ellipsis and dim lists expanded, boolean
+    masks as index tensors, splits marked, trailing dims filled with ``:``. ``shape`` is
+    the positional shape."""
     fill = [i for i in items if i is Ellipsis or (isinstance(i, DimList) and not i.is_bound)]
     if len(fill) > 1:
         raise DimensionBindError(
@@ -124,10 +131,8 @@ def _expand(items: list, ndim: int) -> list:
         elif _is_split(i):
             out.append((_SPLIT, [d for e in i for d in (e if isinstance(e, DimList) else [e])]))
         elif isinstance(i, torch.Tensor) and i.dtype == torch.bool:
-            raise NotImplementedError(
-                "boolean mask indices cannot be combined with first-class dims; use "
-                "torch.where(mask, x, 0) instead"
-            )
+            at = sum(1 for e in out if e is not None)  # positional dims indexed so far
+            out.extend(_mask_indices(i, shape[at:at + i.ndim], at))
         else:
             out.append(i)
     if not fill:
@@ -220,9 +225,10 @@ def _finish(t: torch.Tensor, labels: list) -> Any:
 
 
 # -- gathers ------------------------------------------------------------------------------
-def _gather(t: torch.Tensor, own: tuple, items: list) -> Any:
-    """Advanced indexing: every tensor index (and every dim that also appears in one, or
-    twice) gathers; the other dims and slices stay views."""
+def _gather_plan(t: torch.Tensor, own: tuple, items: list) -> tuple:
+    """How advanced indexing reads: ``base[indices].permute(perm)`` is the result, its
+    axes labelled ``labels`` (a dim, or None for a positional axis); ``base`` is a view of
+    ``t``, so assigning to ``base[indices]`` writes ``t``."""
     index_dims, _, _ = union([i for i in items if _is_advanced(i)])
     repeated = {id(i) for k, i in enumerate(items) if isinstance(i, Dim)
                 and (find(tuple(items[:k]), i) >= 0 or find(tuple(items[k + 1:]), i) >= 0)}
@@ -264,8 +270,8 @@ def _gather(t: torch.Tensor, own: tuple, items: list) -> Any:
     dims, ndim, _ = union(indices)
     indices = [align(i, dims, ndim, t.device) if isinstance(i, _Tensor) else i for i in indices]
     rest = [k for k in range(len(labels)) if k not in gathered]
-    t = t.permute(*gathered, *rest)[tuple(indices)]
-    # t is now: the index dims, the index positional dims, then the rest's axes
+    base = t.permute(*gathered, *rest)
+    # base[indices] is: the index dims, the index positional dims, then the rest's axes
     rest_labels = [labels[k] for k in rest]
     n_index = len(dims)
     contiguous = bool(advanced_at) and advanced_at[-1] - advanced_at[0] == len(advanced_at) - 1
@@ -278,9 +284,43 @@ def _gather(t: torch.Tensor, own: tuple, items: list) -> Any:
     positional = rest_positional[:before] + block + rest_positional[before:]
     rest_dims = [n_index + ndim + k for k, e in enumerate(rest_labels) if e is not None]
     perm = list(range(n_index)) + rest_dims + positional
-    t = t.permute(perm)
-    return _finish(t, list(dims) + [rest_labels[k - n_index - ndim] for k in rest_dims]
-                   + [None] * len(positional))
+    labels = list(dims) + [rest_labels[k - n_index - ndim] for k in rest_dims]
+    return base, tuple(indices), perm, labels + [None] * len(positional)
+
+
+def _gather(t: torch.Tensor, own: tuple, items: list) -> Any:
+    """Advanced indexing: every tensor index (and every dim that also appears in one, or
+    twice) gathers; the other dims and slices stay views."""
+    base, indices, perm, labels = _gather_plan(t, own, items)
+    return _finish(base[indices].permute(perm), labels)
+
+
+def _scatter(t: torch.Tensor, own: tuple, items: list, value: Any) -> None:
+    """``t[items] = value`` with advanced indices: writes where :func:`_gather` reads."""
+    base, indices, perm, labels = _gather_plan(t, own, items)
+    dims = tuple(d for d in labels if d is not None)  # labels are the dims, then positional
+    positional = len(labels) - len(dims)
+    if isinstance(value, _Tensor):
+        _check_value_dims(value, dims)
+        value = align(value, dims, positional, t.device)
+    elif isinstance(value, torch.Tensor):
+        value = value.reshape((1,) * (len(labels) - value.ndim) + tuple(value.shape))
+    else:
+        base[indices] = value
+        return
+    inverse = sorted(range(len(perm)), key=perm.__getitem__)
+    base[indices] = value.permute(inverse)
+
+
+def _check_value_dims(value: _Tensor, dims: tuple) -> None:
+    """A value assigned to ``x[index]`` may not have dims the indexed tensor lacks."""
+    value_dims, _, _ = union([value])
+    missing = [d for d in value_dims if find(dims, d) < 0]
+    if missing:
+        raise DimensionBindError(
+            f"cannot assign a value with dims {value._dims} to a tensor indexed with dims "
+            f"{dims}: {tuple(missing)} are not among them"
+        )
 
 
 def _ndim(i: Any) -> int:
