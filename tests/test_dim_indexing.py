@@ -211,3 +211,23 @@ def test_split_errors():
         x[i].split([a, 4], dim=0)
     with pytest.raises(TypeError, match="split sizes must be dims too"):
         x[i, j].split(3, dim=j)
+
+
+def test_from_positional_matches_functorch_dim():
+    fdim = pytest.importorskip("functorch.dim")
+    from functorch.dim._dim_entry import DimEntry
+
+    x = torch.randn(3, 4, 5)
+    fi = fdim.dims(1)
+    theirs = fdim.Tensor.from_positional(x, [DimEntry(-2), DimEntry(fi), DimEntry(-1)], True)
+    i = dims(1)
+    ours = Tensor.from_positional(x, [-2, i, -1], True)
+    assert ours.dims == (i,) and i.size == 4
+    assert_close(ours.order(i), theirs.order(fi))
+    assert Tensor.from_positional(x, [-3, -2, -1], True) is x
+    with pytest.raises(ValueError, match="count up to -1"):
+        Tensor.from_positional(x, [i, -1, -2], True)
+    with pytest.raises(ValueError, match="3 dims but 2 levels"):
+        Tensor.from_positional(x, [i, -1], True)
+    with pytest.raises(TypeError, match="a Dim or a negative int"):
+        Tensor.from_positional(x, [i, "a", -1], True)

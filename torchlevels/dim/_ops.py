@@ -42,6 +42,50 @@ class Tensor(_Tensor):
         self._tensor = tensor
         self._dims = dims
 
+    @classmethod
+    def from_positional(
+        cls, tensor: torch.Tensor, levels: list, has_device: bool = True
+    ) -> Tensor | torch.Tensor:
+        """``tensor`` whose dims are ``levels``, in order: each a ``Dim`` (first-class)
+        or a negative int (a positional dim, counted from the end: ..., -2, -1), as
+        functorch.dim's levels are. A plain tensor when no level is a ``Dim``.
+        ``has_device`` is accepted for functorch.dim's signature; the device is always
+        the tensor's.
+
+        Example::
+
+            >>> import torch
+            >>> from torchlevels.dim import Tensor, dims
+            >>> i = dims(1)
+            >>> x = Tensor.from_positional(torch.rand(3, 4), [-1, i], True)
+            >>> x.dims, x.shape
+            ((i,), torch.Size([3]))
+        """
+        for level in levels:
+            if not isinstance(level, (Dim, int)):
+                raise TypeError(
+                    f"Tensor.from_positional: a level is a Dim or a negative int, got {level!r}"
+                )
+        if tensor.dim() != len(levels):
+            raise ValueError(
+                f"Tensor.from_positional: the tensor has {tensor.dim()} dims but "
+                f"{len(levels)} levels were given; give one level per dim"
+            )
+        positions = [level for level in levels if not isinstance(level, Dim)]
+        if positions != list(range(-len(positions), 0)):
+            raise ValueError(
+                "Tensor.from_positional: the positional levels must count up to -1 in "
+                f"order, here {list(range(-len(positions), 0))}; got {positions}"
+            )
+        dim_axes = [k for k, level in enumerate(levels) if isinstance(level, Dim)]
+        if not dim_axes:
+            return tensor
+        dims = tuple(levels[k] for k in dim_axes)
+        for d, k in zip(dims, dim_axes):
+            d.size = tensor.shape[k]
+        positional_axes = [k for k, level in enumerate(levels) if not isinstance(level, Dim)]
+        return wrap(tensor.permute(*dim_axes, *positional_axes), dims)
+
 
 class Delayed(Tensor):
     """A tensor with dims whose value is computed (once) only if something reads it."""
