@@ -386,6 +386,17 @@ def test_hessian_with_argnums(argnums):
                       tf.hessian(two_args, argnums=argnums)(X, Y))
 
 
+@pytest.mark.parametrize("order", ["left to right", "matrix-vector first"])
+def test_vmap_of_hessian_of_a_bilinear_form(order):
+    """``x.tanh() @ A @ x.sin()``: a vector-matrix product first, once a failure here."""
+    a = torch.randn(6, 6)
+    f = {"left to right": lambda x: x.tanh() @ a @ x.sin(),
+         "matrix-vector first": lambda x: x.tanh() @ (a @ x.sin())}[order]
+    xs = torch.randn(4, 6)
+    assert_tree_close(tl.vmap(tl.hessian(f))(xs), tf.vmap(tf.hessian(f))(xs))
+    assert_tree_close(tl.hessian(f)(xs[0]), tf.hessian(f)(xs[0]))
+
+
 def test_hessian_of_matrix_input_and_pytree_input():
     f = lambda m: (m @ m.T).sin().sum()
     assert_tree_close(tl.hessian(f)(M), tf.hessian(f)(M))
