@@ -451,9 +451,22 @@ def test_jacfwd_randomness_different_draws_per_column():
     assert torch.diagonal(same).unique().numel() == 1
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "core: under vmap(jvp) the random-op hook batches dropout's input at the vmap level, "
-    "but that input is a jvp-level tensor nested inside it, so the wrapper escapes"))
+def test_vmap_randomness_different_reaches_inside_grad():
+    """Dropout of a grad-level tensor unbatched at the vmap level: each example draws its
+    own mask, and the gradient is that mask scaled (as torch.func computes it)."""
+    w, xs = torch.randn(64), torch.randn(8)
+    grads = {}
+    for lib in (tl, tf):
+        torch.manual_seed(0)
+        per_example = lambda x, lib=lib: lib.grad(lambda w: F.dropout(w, 0.5).sum())(w)
+        grads[lib] = lib.vmap(per_example, randomness="different")(xs)
+    for g in grads.values():
+        assert g.shape == (8, 64)
+        assert set(g.unique().tolist()) <= {0.0, 2.0}
+        assert len({tuple(row.tolist()) for row in g}) == 8  # a different mask per example
+    assert 0.3 < (grads[tl] == 2.0).float().mean() < 0.7
+
+
 def test_jacfwd_randomness_different_with_dropout():
     a = torch.randn(64)
     torch.manual_seed(0)

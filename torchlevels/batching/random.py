@@ -128,9 +128,24 @@ def _random_in_levels(op, args, kwargs):
         if not _batched_at(args[first], cls):
             if writes_first_argument(op):
                 _raise_different_inplace(op)
-            size = cls._level.batch_size
-            args[first] = wrap_batched(cls, args[first].expand(size, *args[first].shape), 0)
+            args[first] = _batch_at(args[first], cls)
     return passed_by(op, args, kwargs)
+
+
+def _batch_at(t: torch.Tensor, cls) -> torch.Tensor:
+    """``t`` with a batch dim (of equal entries) at vmap level ``cls``.
+
+    A tensor of a level nested inside ``cls`` (jvp's or grad's in ``jacfwd``) cannot go
+    inside a wrapper of ``cls``: it is multiplied by a batched 1 instead, so each level
+    keeps its own part of ``t`` (its tangent, its graph).
+    """
+    from torchlevels.vmap import wrap_batched
+
+    size = cls._level.batch_size
+    if isinstance(t, LevelTensor) and issubclass(type(t), cls):
+        ones = torch.ones(size, dtype=t.dtype, device=t.device)
+        return t * wrap_batched(cls, ones, 0)
+    return wrap_batched(cls, t.expand(size, *t.shape), 0)
 
 
 def _batched_at(t: torch.Tensor, cls) -> bool:
