@@ -377,3 +377,24 @@ def nll_loss_backward(func, args, dims, kwargs):
         go = go / materialize(total, dims[6], size).reshape(go.shape)
     grad = torch.zeros_like(x).scatter(class_dim, index, (-w * go).unsqueeze(class_dim))
     return grad, 0
+
+
+# -- ops with a saved buffer ----------------------------------------------------------------
+
+
+@register(aten.log_sigmoid_forward.default, aten.log_sigmoid_backward.default)
+def log_sigmoid(func, args, dims, kwargs):
+    """Elementwise, run natively on the batch: the decomposition of the backward reads the
+    forward's buffer (exp(-|x|)) as a constant, so an enclosing grad level would miss its
+    derivative (a zero Hessian); the native op brings its own double-backward formula."""
+    phys = [to_front(a, d) if d is not None else a for a, d in zip(args, dims)]
+    if func is aten.log_sigmoid_backward.default:  # the kernel wants equal shapes
+        grad_output, x, buffer = phys
+        if buffer.numel():
+            grad_output, x, buffer = torch.broadcast_tensors(grad_output, x, buffer)
+        else:  # no buffer saved (CUDA): the kernel recomputes it
+            grad_output, x = torch.broadcast_tensors(grad_output, x)
+        return func(grad_output, x, buffer, **kwargs), 0
+    out = func(*phys, **kwargs)
+    output, buffer = out  # the buffer is empty where the kernel does not save it (CUDA)
+    return (output, buffer), (0, 0 if buffer.numel() else None)
