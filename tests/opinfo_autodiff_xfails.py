@@ -55,9 +55,7 @@ XFAILS: dict[str, dict[str, str]] = {
     },
     'hessian': {
         **_each('core: wrong values',
-            '_batch_norm_with_update', 'linalg.cholesky', 'linalg.cholesky_ex', 'linalg.norm.subgradients_at_zero', 'masked.logaddexp', 'nn.functional.instance_norm'),
-        **_each('both: torch.func fails too: result 3: Tensor-likes are not close!; Mismatched elements: 3 / 3 (100.0%); Greatest absol',
-            '_native_batch_norm_legit', 'native_batch_norm', 'nn.functional.batch_norm'),
+            'linalg.cholesky', 'linalg.cholesky_ex', 'linalg.norm.subgradients_at_zero', 'masked.logaddexp'),
         **_each('core: sample 0: RuntimeError: vmap: aten.copy_.default(self, *extra_args) is not possible because there ex',
             'linalg.eig', 'linalg.eigh', 'linalg.householder_product', 'linalg.qr', 'linalg.svd', 'nn.functional.pad.circular', 'qr', 'svd'),
         **_each('core: sample 0: RuntimeError: Trying to backward through prims.where.default but no autograd formula was r',

@@ -255,6 +255,38 @@ def test_batch_norm_training_without_running_stats(batched_args, dim):
           *args, in_dims=tuple(dims))
 
 
+@pytest.mark.parametrize("batched_args", [(True, True, False, False), (True, False, True, True),
+                                          (False, True, False, True), (True, True, True, True)])
+@pytest.mark.parametrize("train", [True, False])
+@pytest.mark.parametrize("backward", ["native_batch_norm_backward", "batch_norm_backward"])
+def test_batch_norm_backward(batched_args, train, backward):
+    """The backward op itself (grad_out, input, weight, stats), against the loop."""
+    shapes = [(4, 5, 3), (4, 5, 3), (5,), (5,)]
+    (go, x, w, stat), dims = zip(*(maybe(torch.randn(s), b) for s, b in zip(shapes, batched_args)))
+    rm, rv = torch.randn(5), torch.rand(5) + 0.5
+    mask = [True, True, True]
+
+    def f(go, x, w, stat):
+        mean, invstd = (stat, stat.abs() + 0.5) if train else (None, None)
+        if backward == "batch_norm_backward":
+            return aten.batch_norm_backward(go, x, w, rm, rv, mean, invstd, train, 1e-5, mask,
+                                            torch.empty(0))
+        return aten.native_batch_norm_backward(go, x, w, rm, rv, mean, invstd, train, 1e-5,
+                                               mask)
+
+    # torch.func's rule asserts on eval mode's missing saved statistics: the loop only
+    check_vmap(f, go, x, w, stat, in_dims=dims, against_func=train)
+
+
+def test_hessian_through_batch_norm_in_training_mode():
+    """The backward batched natively: an enclosing grad level gets its double backward."""
+    from torchlevels import hessian
+
+    x = torch.randn(4, 3, 2, dtype=torch.float64)
+    f = lambda x: F.batch_norm(x, None, None, training=True).pow(3).sum()  # noqa: E731
+    torch.testing.assert_close(hessian(f)(x), torch.autograd.functional.hessian(f, x))
+
+
 def test_batch_norm_training_updates_batched_running_stats():
     x = torch.randn(B, 4, 5, 3)
     rm0, rv0 = torch.randn(B, 5), torch.rand(B, 5) + 0.5

@@ -325,6 +325,32 @@ def native_batch_norm_no_training(func, args, dims, kwargs):
     return _batch_norm(args[:5], dims[:5], False, *args[5:])
 
 
+@register(aten.native_batch_norm_backward.default, aten.batch_norm_backward.default)
+def batch_norm_backward(func, args, dims, kwargs):
+    """In the forward's layout, the batch joined to the channels ([B, N, C, *s] ->
+    [N, B*C, *s]): every example gets its own statistics and affine-parameter gradients.
+    Natively, so an enclosing grad level gets the op's own double backward (the
+    decomposition reads the saved statistics as constants: wrong Hessians)."""
+    go, x, w, rm, rv, save_mean, save_invstd, train, eps, mask, *reserve = args
+    if reserve and dims[10] is not None:
+        raise NotImplementedError(
+            f"vmap: {func} with a batched `reserve` (cuDNN's opaque workspace) has no "
+            "batching rule; run batch norm outside vmap or on the CPU"
+        )
+    size = batch_size(args, dims)
+
+    def per_channel(t, d):  # [B, C] (or [C], the same for every example) -> [B*C]
+        return None if t is None else materialize(t, d, size).flatten()
+
+    go, x = (materialize(t, d, size).transpose(0, 1).flatten(1, 2)
+             for t, d in zip((go, x), dims[:2]))
+    stats = [per_channel(t, d) for t, d in zip((w, rm, rv, save_mean, save_invstd), dims[2:7])]
+    gi, gw, gb = func(go, x, *stats, train, eps, mask, *reserve)
+    gi = None if gi is None else gi.unflatten(1, (size, -1))
+    gw, gb = (None if g is None else g.view(size, -1) for g in (gw, gb))
+    return (gi, gw, gb), tuple(None if g is None else d for g, d in zip((gi, gw, gb), (1, 0, 0)))
+
+
 # -- losses -------------------------------------------------------------------------------
 
 
