@@ -32,8 +32,6 @@ XFAILS: dict[str, dict[str, str]] = {
             'nn.functional.pad.circular'),
     },
     'jacrev': {
-        **_each('core: wrong values',
-            'as_strided', 'as_strided.partial_views', 'as_strided_copy', 'as_strided_scatter', 'stft'),
         **_each('both: torch.func fails too: result 3: Tensor-likes are not close!; Mismatched elements: 18 / 36 (50.0%); Greatest abso',
             'native_group_norm'),
         **_each('core: the grad level makes autograd track an integer output (embedding_bag offsets)',
@@ -43,9 +41,7 @@ XFAILS: dict[str, dict[str, str]] = {
     },
     'jacfwd': {
         **_each('core: forward-AD view of a level tensor: has_fw_view INTERNAL ASSERT',
-            'as_strided', 'as_strided.partial_views', 'fft.hfft', 'fft.hfft2', 'fft.hfftn', 'stft'),
-        **_each('core: wrong values',
-            'as_strided_copy'),
+            'fft.hfft', 'fft.hfft2', 'fft.hfftn'),
         **_each('both: torch.func fails too: RuntimeError: Error: aten::as_strided_scatter requires special handling, and does not yet ',
             'as_strided_scatter'),
         **_each("both: torch.func fails too: RuntimeError: Batching rule not implemented for aten::_neg_view; the fallback path doesn't",
@@ -55,9 +51,7 @@ XFAILS: dict[str, dict[str, str]] = {
     },
     'hessian': {
         **_each('core: wrong values',
-            'linalg.cholesky', 'linalg.cholesky_ex', 'linalg.norm.subgradients_at_zero', 'masked.logaddexp'),
-        **_each('core: sample 0: RuntimeError: vmap: aten.copy_.default(self, *extra_args) is not possible because there ex',
-            'linalg.eig', 'linalg.eigh', 'linalg.householder_product', 'linalg.qr', 'linalg.svd', 'nn.functional.pad.circular', 'qr', 'svd'),
+            'linalg.cholesky', 'linalg.cholesky_ex', 'linalg.eigh', 'linalg.householder_product', 'linalg.norm.subgradients_at_zero', 'masked.logaddexp'),
         **_each('core: sample 0: RuntimeError: Trying to backward through prims.where.default but no autograd formula was r',
             'nn.functional.hardswish'),
         **_each('both: torch.func fails too: result 3: Tensor-likes are not close!; Mismatched elements: 36 / 36 (100.0%); Greatest abs',

@@ -59,6 +59,33 @@ def test_views(name):
     check(f, *shapes)
 
 
+@pytest.mark.parametrize("in_dim", [0, 1, 2])
+def test_as_strided_is_relative_to_each_examples_storage(in_dim):
+    """As torch.func reads it: each example's sizes, strides and offset are relative to its
+    own storage (the loop model would read example 0's storage for every example)."""
+    x = torch.randn(3, 4, 5).movedim(0, in_dim)  # 3 examples of (4, 5)
+    f = lambda x: x.as_strided((2, 3), (5, 2), 1)  # noqa: E731
+    ours = vmap_without_slow_loop(f, x, in_dims=in_dim)
+    torch.testing.assert_close(ours, func_vmap(f, in_dims=in_dim)(x))
+    g = lambda x: x.t().as_strided((4,), (6,))  # no offset: the tensor's own  # noqa: E731
+    torch.testing.assert_close(vmap_without_slow_loop(g, x, in_dims=in_dim),
+                               func_vmap(g, in_dims=in_dim)(x))
+
+
+def test_new_empty_strided_is_batched():
+    """autograd's CopySlices writes a batched gradient into ``new_empty_strided`` of it."""
+    def f(x):
+        r = x.new_empty_strided((4, 5), (1, 4))  # column-major
+        r.copy_(x)
+        return r.as_strided((2, 2), (4, 1), 1), r.stride()
+
+    x = torch.randn(3, 4, 5)
+    ours, stride = vmap(f, out_dims=(0, None))(x)
+    theirs, their_stride = func_vmap(f, out_dims=(0, None))(x)
+    torch.testing.assert_close(ours, theirs)
+    assert stride == their_stride == (1, 4)
+
+
 def test_cat_with_unbatched_and_legacy_empty():
     check(lambda x, y: torch.cat([x, y, torch.empty(0)], 0), (3, 2, 4), (2, 4),
           in_dims=[(0, None), (1, None)])

@@ -181,6 +181,24 @@ register(aten.transpose_.default)(transpose)
 register(aten.t_.default)(t)
 
 
+@register(aten.as_strided.default)
+def as_strided(func, args, dims, kwargs):
+    """Each example's sizes, strides and storage offset are relative to its own storage,
+    which starts one batch stride after the previous example's (as functorch reads it)."""
+    x, size, stride, *rest = args
+    offset = rest[0] if rest and rest[0] is not None else x.storage_offset()
+    d = dims[0]
+    return func(x, [x.shape[d], *size], [x.stride(d), *stride], offset), 0
+
+
+@register(aten.new_empty_strided.default)
+def new_empty_strided(func, args, dims, kwargs):
+    """Batched: one block of storage per example, laid out with the given strides."""
+    x, size, stride = args
+    extent = 1 + sum((n - 1) * st for n, st in zip(size, stride)) if all(size) else 1
+    return func(x, [x.shape[dims[0]], *size], [extent, *stride], **kwargs), 0
+
+
 @register(aten.as_strided_, aten.resize_)
 def inplace_restride(func, args, dims, kwargs):
     raise RuntimeError(
