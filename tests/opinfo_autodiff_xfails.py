@@ -52,8 +52,6 @@ XFAILS: dict[str, dict[str, str]] = {
     'hessian': {
         **_each('core: wrong values',
             'linalg.cholesky', 'linalg.cholesky_ex', 'linalg.eigh', 'linalg.householder_product', 'linalg.norm.subgradients_at_zero', 'masked.logaddexp'),
-        **_each('core: sample 0: RuntimeError: Trying to backward through prims.where.default but no autograd formula was r',
-            'nn.functional.hardswish'),
         **_each('both: torch.func fails too: result 3: Tensor-likes are not close!; Mismatched elements: 36 / 36 (100.0%); Greatest abs',
             'nn.functional.layer_norm'),
         **_each('both: torch.func fails too: RuntimeError: Trying to set a forward gradient that has a different size than that of the ',

@@ -278,6 +278,22 @@ def test_batch_norm_backward(batched_args, train, backward):
     check_vmap(f, go, x, w, stat, in_dims=dims, against_func=train)
 
 
+@pytest.mark.parametrize("activation", [
+    F.elu, F.hardsigmoid, F.hardswish, F.hardtanh, F.leaky_relu, F.mish, F.softplus,
+    F.logsigmoid,
+])
+def test_activation_backward_batched_natively(activation):
+    """The backward op under vmap (a batched gradient, as jacrev makes), and a Hessian
+    through it: the native op's own double backward (the decompositions have none)."""
+    from torchlevels import hessian, jacrev
+
+    x = torch.randn(5, dtype=torch.float64) * 3
+    f = lambda x: activation(x).pow(2).sum()  # noqa: E731
+    torch.testing.assert_close(jacrev(activation)(x), torch.func.jacrev(activation)(x))
+    if activation is not F.hardsigmoid:  # no forward-over-reverse formula in PyTorch
+        torch.testing.assert_close(hessian(f)(x), torch.autograd.functional.hessian(f, x))
+
+
 def test_hessian_through_batch_norm_in_training_mode():
     """The backward batched natively: an enclosing grad level gets its double backward."""
     from torchlevels import hessian

@@ -405,6 +405,25 @@ def nll_loss_backward(func, args, dims, kwargs):
     return grad, 0
 
 
+# -- elementwise backward ops ----------------------------------------------------------------
+
+
+@register(aten.elu_backward.default, aten.hardsigmoid_backward.default,
+          aten.hardswish_backward.default, aten.hardtanh_backward.default,
+          aten.leaky_relu_backward.default, aten.mish_backward.default,
+          aten.softplus_backward.default)
+def elementwise_backward(func, args, dims, kwargs):
+    """An activation's backward, natively on the batch: its tensors all have one shape,
+    and the native op brings its own double-backward formula for an enclosing grad level
+    (the decompositions go through prims.where, which has none)."""
+    at = [k for k, a in enumerate(args) if isinstance(a, torch.Tensor)]
+    same = torch.broadcast_tensors(*(to_front(args[k], dims[k]) for k in at))
+    phys = list(args)
+    for k, t in zip(at, same):
+        phys[k] = t
+    return func(*phys, **kwargs), 0
+
+
 # -- ops with a saved buffer ----------------------------------------------------------------
 
 
