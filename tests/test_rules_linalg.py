@@ -14,7 +14,7 @@ import pytest
 import torch
 from vmap_reference import check_vmap
 
-from torchlevels import vmap
+from torchlevels import grad, vmap
 from torchlevels.batching import registry
 
 aten = torch.ops.aten
@@ -305,3 +305,21 @@ def test_registered_as_own_rules():
                aten._linalg_eigh.default, aten.linalg_lstsq.default, aten.trace.default,
                aten.diag_embed.default, aten.tril.default, aten._linalg_check_errors.default]:
         assert registry.resolve(op).how is registry.How.OWN, op
+
+
+@pytest.mark.parametrize("op", ["tril_", "triu_"])
+def test_triangle_in_place_under_vmap_and_grad(op):
+    """In place on each example's last two dims, and differentiable by an enclosing grad
+    (the decomposition went through prims.where, which has no derivative)."""
+    a = torch.randn(4, 3, dtype=torch.float64)
+    vs = torch.randn(2, 4, 3, dtype=torch.float64)
+
+    def body(a, v):
+        out = a * v
+        getattr(out[:, :2], op)(-1 if op == "tril_" else 1)  # on a view, in place
+        return out.pow(2)
+
+    check(lambda v: body(a, v), vs, in_dims=0)
+    ours = grad(lambda a: vmap(lambda v: body(a, v))(vs).sum())(a)
+    theirs = torch.func.grad(lambda a: torch.func.vmap(lambda v: body(a, v))(vs).sum())(a)
+    torch.testing.assert_close(ours, theirs)

@@ -401,6 +401,24 @@ def test_second_derivatives_of_logsigmoid(composition):
     assert_tree_close(run(tl), run(tf))
 
 
+@pytest.mark.parametrize("decomposition", ["cholesky", "eigh"])
+def test_hessian_is_reverse_over_reverse(decomposition):
+    """torchlevels.hessian is jacrev(jacrev). Through a function of a symmetric matrix
+    (``op(a + a.mT)``) it equals torch.func.hessian (jacfwd(jacrev)). Applied to the raw
+    matrix, of which these ops read one triangle, PyTorch's derivative formulas (which
+    assume symmetric perturbations) make the second derivative depend on the AD order:
+    it then gives torch.func's jacrev(jacrev) numbers."""
+    op = {"cholesky": torch.linalg.cholesky, "eigh": lambda a: torch.linalg.eigh(a)[1]}[
+        decomposition]
+    w = torch.randn(4, 4, dtype=torch.float64)
+    b = torch.randn(4, 4, dtype=torch.float64)
+    a = b @ b.T + 4 * torch.eye(4, dtype=torch.float64)
+    symmetrized = lambda a: (op(a + a.mT) * w).sum()  # noqa: E731
+    raw = lambda a: (op(a) * w).sum()  # noqa: E731
+    assert_tree_close(tl.hessian(symmetrized)(a), tf.hessian(symmetrized)(a))
+    assert_tree_close(tl.hessian(raw)(a), tf.jacrev(tf.jacrev(raw))(a))
+
+
 @pytest.mark.parametrize("order", ["left to right", "matrix-vector first"])
 def test_vmap_of_hessian_of_a_bilinear_form(order):
     """``x.tanh() @ A @ x.sin()``: a vector-matrix product first, once a failure here."""

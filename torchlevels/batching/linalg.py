@@ -97,6 +97,15 @@ leading_batch_dims(aten.linalg_lu_solve.default, aten.linalg_ldl_solve.default,
 leading_batch_dims(aten.lu_unpack.default, cores=(2, 1), equal=True)
 
 
+@register(aten.tril_.default, aten.triu_.default)
+def triangle_inplace(func, args, dims, kwargs):
+    """In place on the last two dims of every example (the decomposition goes through
+    prims.where, which an enclosing grad level cannot differentiate)."""
+    x, *rest = args
+    func(to_front(x, dims[0]), *rest, **kwargs)
+    return x, dims[0]
+
+
 @register(aten.linalg_matrix_exp.default)
 def matrix_exp(func, args, dims, kwargs):
     """matrix_exp of a contiguous input: torch's kernel fails on some strided batches."""
