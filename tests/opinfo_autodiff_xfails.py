@@ -27,10 +27,7 @@ XFAILS: dict[str, dict[str, str]] = {
         **_each('both: torch.func fails too: RuntimeError: Sparse CSR tensors do not have strides',
             'sparse.mm.reduce', 'sparse.sampled_addmm'),
     },
-    'jvp': {
-        **_each('core: wrong values',
-            'nn.functional.pad.circular'),
-    },
+    'jvp': {},
     'jacrev': {
         **_each('both: torch.func fails too: result 3: Tensor-likes are not close!; Mismatched elements: 18 / 36 (50.0%); Greatest abso',
             'native_group_norm'),

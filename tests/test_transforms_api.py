@@ -401,6 +401,25 @@ def test_second_derivatives_of_logsigmoid(composition):
     assert_tree_close(run(tl), run(tf))
 
 
+def test_jvp_through_in_place_writes_to_views_of_a_fresh_tensor():
+    """``out = x.new_empty(...); out.narrow(...).copy_(x...)``, as circular padding does:
+    the tangent written through each view reaches the base and the other views."""
+    x = torch.randn(2, 3, 4, dtype=torch.float64)
+    t = torch.randn(2, 3, 4, dtype=torch.float64)
+
+    def f(x):
+        out = x.new_empty(2, 3, 7)
+        out.narrow(2, 1, 4).copy_(x)
+        out.narrow(2, 0, 1).copy_(out.narrow(2, 4, 1))  # reads what the first write wrote
+        out.narrow(2, 5, 2).copy_(out.narrow(2, 1, 2))
+        return out
+
+    assert_tree_close(tl.jvp(f, (x,), (t,)), tf.jvp(f, (x,), (t,)))
+    g = lambda x: F.pad(x, (1, 2), mode="circular")  # noqa: E731
+    assert_tree_close(tl.jvp(g, (x,), (t,)), tf.jvp(g, (x,), (t,)))
+    assert_tree_close(tl.jacfwd(g)(x), tf.jacfwd(g)(x))
+
+
 @pytest.mark.parametrize("decomposition", ["cholesky", "eigh"])
 def test_hessian_is_reverse_over_reverse(decomposition):
     """torchlevels.hessian is jacrev(jacrev). Through a function of a symmetric matrix

@@ -153,16 +153,76 @@ class JvpLevel(Level):
             dual_kwargs = {k: _to_dual(v, cls, level) for k, v in kwargs.items()}
             out = func(*dual_args, **dual_kwargs)
             if inplace:
-                self_ = args[0]
-                self_._inner, self_._tangent = fwAD.unpack_dual(dual_args[0], level=level)
-                follow_inner(self_)
-                return self_
-            return _from_dual(cls, out, level)
+                return _update_inplace(args[0], *fwAD.unpack_dual(dual_args[0], level=level))
+            out = _from_dual(cls, out, level)
+        if (_returns_view(func) and type(args[0]) is cls and isinstance(out, torch.Tensor)
+                and out._tangent is None):  # a view of a tensor with no tangent (yet)
+            out._view_of = (args[0], func, args[1:], kwargs)
+        return out
+
+
+def _view_tangent(t: torch.Tensor) -> Any:
+    """``t``'s tangent. A view made while its base had none gets a view of the base's
+    tangent once the base has one (written through another view)."""
+    if t._tangent is None and hasattr(t, "_view_of"):
+        base, func, rest, kwargs = t._view_of
+        base_tangent = _view_tangent(base)
+        if base_tangent is not None:
+            t._tangent = func(base_tangent, *rest, **kwargs)
+            del t._view_of
+    return t._tangent
+
+
+def _base_tangent(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``t``'s tangent, zeros (batched as ``like`` is) if it has none, made through its
+    base if it is a view, so that it stays a view of the base's tangent."""
+    if _view_tangent(t) is None:
+        if hasattr(t, "_view_of"):
+            base, func, rest, kwargs = t._view_of
+            t._tangent = func(_base_tangent(base, like), *rest, **kwargs)
+            del t._view_of
+        else:
+            t._tangent = like.new_zeros(t._inner.shape, dtype=t._inner.dtype)
+    return t._tangent
+
+
+def _update_inplace(self_: torch.Tensor, primal: torch.Tensor, tangent: Any) -> torch.Tensor:
+    """After an in-place op on ``self_``: its new tangent is written into its old one (made
+    zeros if it had none), which may be a view of a base's tangent or have views: a write
+    through a view (``out.narrow(...).copy_(x)``) reaches the base and the other views."""
+    self_._inner = primal
+    if tangent is None:
+        if self_._tangent is not None:
+            self_._tangent = None  # e.g. zero_(): the value no longer depends on the input
+        follow_inner(self_)
+        return self_
+    old = _base_tangent(self_, tangent)
+    if old.shape == tangent.shape and old.dtype == tangent.dtype:
+        if old is not tangent:
+            old.copy_(tangent)
+    else:  # an in-place op that changed the shape (squeeze_, t_)
+        self_._tangent = tangent
+    follow_inner(self_)
+    return self_
+
+
+_views: dict[int, bool] = {}
+
+
+def _returns_view(func) -> bool:
+    """Whether ``func`` returns a view of its first argument (slice, select, view...)."""
+    found = _views.get(id(func))
+    if found is None:
+        found = _views[id(func)] = any(
+            r.alias_info is not None and not r.alias_info.is_write
+            for r in func._schema.returns
+        )
+    return found
 
 
 def _to_dual(a: Any, cls, level: int) -> Any:
     if type(a) is cls:
-        if a._tangent is None:
+        if _view_tangent(a) is None:
             return a._inner
         return fwAD.make_dual(a._inner, a._tangent, level=level)
     if type(a) in (list, tuple):
