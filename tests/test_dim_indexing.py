@@ -231,3 +231,17 @@ def test_from_positional_matches_functorch_dim():
         Tensor.from_positional(x, [i, -1], True)
     with pytest.raises(TypeError, match="a Dim or a negative int"):
         Tensor.from_positional(x, [i, "a", -1], True)
+
+
+def test_module_index_matches_functorch_dim():
+    """``index(x, positions, dims)``: bind positional dims of a plain tensor to dims."""
+    fdim = pytest.importorskip("functorch.dim")
+    a = torch.randn(3, 4, 5)
+    fi, fj = fdim.dims(2)
+    theirs = fdim.index(a, (0, 2), (fi, fj)).order(fi, fj)
+    i, j = dims(2)
+    assert_close(torchlevels.dim.index(a, (0, 2), (i, j)).order(i, j), theirs)
+    k = dims(1)
+    assert_close(torchlevels.dim.index(a[k], 1, j).order(k, j),
+                 fdim.index(a[fi], 1, fj).order(fi, fj))
+    assert issubclass(torchlevels.dim.DimensionMismatchError, Exception)

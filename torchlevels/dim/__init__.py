@@ -20,18 +20,27 @@ Example::
 
 # _base first: it imports _ops, which needs _Tensor from it and Dim from _dims.
 from torchlevels.dim._base import _Tensor  # noqa: F401  isort: skip
-from torchlevels.dim._dims import Dim, DimensionBindError, DimList, dimlists, dims
-from torchlevels.dim._functions import cat, softmax, split, stack
+from torchlevels.dim._dims import (
+    Dim,
+    DimensionBindError,
+    DimensionMismatchError,
+    DimList,
+    dimlists,
+    dims,
+)
+from torchlevels.dim._functions import cat, index, softmax, split, stack
 from torchlevels.dim._ops import Tensor
 
 __all__ = [
     "Dim",
     "DimList",
     "DimensionBindError",
+    "DimensionMismatchError",
     "Tensor",
     "cat",
     "dimlists",
     "dims",
+    "index",
     "softmax",
     "split",
     "stack",

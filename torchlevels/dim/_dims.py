@@ -16,6 +16,11 @@ class DimensionBindError(ValueError):
     """A dim's size is unknown where it is needed, or conflicts with a size it is bound to."""
 
 
+class DimensionMismatchError(Exception):
+    """functorch.dim's name, kept for code that catches it (functorch.dim defines it but
+    raises DimensionBindError, as torchlevels.dim does)."""
+
+
 class Dim(_Tensor):
     """A first-class dimension. Its size is bound on first use (or set once); as a tensor it
     is the tensor of its own indices (``0 .. size - 1``) along itself.

@@ -1,5 +1,5 @@
-"""Module functions of ``torchlevels.dim``: ``softmax``, ``stack``, ``cat`` and ``split``
-with dims."""
+"""Module functions of ``torchlevels.dim``: ``softmax``, ``stack``, ``cat``, ``split`` and
+``index`` with dims."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import torch
 from torchlevels.dim._base import _Tensor
 from torchlevels.dim._dims import Dim, DimensionBindError
 from torchlevels.dim._getitem import getitem
-from torchlevels.dim._ops import batched, find, order, storage, wrap
+from torchlevels.dim._ops import Tensor, batched, find, order, storage, wrap
+from torchlevels.dim._ops import index as _index
 
 
 def softmax(input: Any, dim: Any, *args: Any, **kwargs: Any) -> Any:
@@ -134,3 +135,20 @@ def _section_sizes(sections: Sequence[Dim], total: int) -> list[int]:
         d.size = min(share, left)
         left -= d.size
     return [d.size for d in sections]
+
+
+def index(self: Any, positions: Any, dims: Any) -> Any:
+    """Bind positional dims ``positions`` of ``self`` (a plain tensor or one with dims) to
+    first-class ``dims``, as functorch.dim's ``index`` does (``x.index(...)`` for a tensor
+    with dims).
+
+    Example::
+
+        >>> import torch
+        >>> from torchlevels.dim import dims, index
+        >>> i, j = dims(2)
+        >>> A = torch.rand(3, 4, 5)
+        >>> torch.equal(index(A, (0, 2), (i, j)).order(i, j), A.permute(0, 2, 1))
+        True
+    """
+    return _index(self if isinstance(self, _Tensor) else Tensor(self, ()), positions, dims)
