@@ -43,8 +43,6 @@ XFAILS: dict[str, dict[str, str]] = {
             'as_strided_scatter'),
         **_each("both: torch.func fails too: RuntimeError: Batching rule not implemented for aten::_neg_view; the fallback path doesn't",
             'fft.ifft', 'fft.ihfft', 'fft.ihfftn'),
-        **_each('core: masked_select under jacfwd',
-            'masked_select'),
     },
     'hessian': {
         **_each("core: order-dependent: the sample is not symmetric, and PyTorch's cholesky/eigh "

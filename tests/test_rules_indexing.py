@@ -443,7 +443,8 @@ def test_where():
 
 
 def test_masked_select_shared_mask():
-    for shape, mshape in [((4, 5), (4, 5)), ((4, 5), (5,)), ((5,), (4, 5))]:
+    for shape, mshape in [((4, 5), (4, 5)), ((4, 5), (5,)), ((5,), (4, 5)),
+                          ((), ()), ((), (3,)), ((3,), ())]:  # 0-dim examples and masks
         mask = torch.rand(mshape) > 0.5
         for d in (0, -1):
             check(torch.masked_select, [batched(randn(*shape), d), mask], (d, None))

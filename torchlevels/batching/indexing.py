@@ -319,8 +319,8 @@ def masked_select(func, args, dims, kwargs):
             "Tensor."
         )
     x = to_front(self, dims[0])
-    rank = max(x.dim() - 1, mask.dim())
-    shape = torch.broadcast_shapes(x.shape[1:], mask.shape)
+    rank = max(x.dim() - 1, mask.dim(), 1)  # a 0-dim example is a 1-element one
+    shape = torch.broadcast_shapes(x.shape[1:], mask.shape, (1,) * rank)
     x = pad_to_rank(x, rank).expand(x.shape[0], *shape)
     return aten.index.Tensor(x, [None, mask.expand(shape)]), 0
 
