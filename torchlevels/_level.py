@@ -30,6 +30,7 @@ _DETACH = torch.ops.aten.detach.default
 _AUTOGRAD = torch._C.DispatchKey.AutogradFunctionality
 _autograd_excluded = torch._C._dispatch_tls_is_dispatch_key_excluded
 _no_subclass_torch_function = torch._C.DisableTorchFunctionSubclass
+_disabled_torch_function = torch._C._disabled_torch_function_impl
 
 
 class EscapedTensorError(RuntimeError):
@@ -96,7 +97,7 @@ class LevelTensor(torch.Tensor):
 
     _level: Level
     _inner: torch.Tensor
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    __torch_function__ = _disabled_torch_function
     _has_torch_function = False  # whether the class answers calls in __torch_function__
 
     def __new__(cls, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
@@ -190,9 +191,6 @@ def escape_message(level: Level, func) -> str:
         "from the level without being unwrapped). Return it from the transformed function "
         "instead, or unwrap it with `B.unwrap(t)` before the level exits."
     )
-
-
-_disabled_torch_function = torch._C._disabled_torch_function_impl
 
 
 def new_level_class(

@@ -39,7 +39,7 @@ from torchlevels._level import (
     wrap_all,
     wrap_inner,
 )
-from torchlevels.batching.registry import writes_first_argument
+from torchlevels.batching.registry import returns_view, writes_first_argument
 
 _restore_tls = torch._C._RestorePythonTLSSnapshot
 _AD_INPLACE_OR_VIEW = torch._C.DispatchKey.ADInplaceOrView
@@ -155,7 +155,7 @@ class JvpLevel(Level):
             if inplace:
                 return _update_inplace(args[0], *fwAD.unpack_dual(dual_args[0], level=level))
             out = _from_dual(cls, out, level)
-        if (_returns_view(func) and type(args[0]) is cls and isinstance(out, torch.Tensor)
+        if (returns_view(func) and type(args[0]) is cls and isinstance(out, torch.Tensor)
                 and out._tangent is None):  # a view of a tensor with no tangent (yet)
             out._view_of = (args[0], func, args[1:], kwargs)
         return out
@@ -178,9 +178,8 @@ def _base_tangent(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     base if it is a view, so that it stays a view of the base's tangent."""
     if _view_tangent(t) is None:
         if hasattr(t, "_view_of"):
-            base, func, rest, kwargs = t._view_of
-            t._tangent = func(_base_tangent(base, like), *rest, **kwargs)
-            del t._view_of
+            _base_tangent(t._view_of[0], like)
+            _view_tangent(t)  # now a view of the base's
         else:
             t._tangent = like.new_zeros(t._inner.shape, dtype=t._inner.dtype)
     return t._tangent
@@ -192,8 +191,7 @@ def _update_inplace(self_: torch.Tensor, primal: torch.Tensor, tangent: Any) -> 
     through a view (``out.narrow(...).copy_(x)``) reaches the base and the other views."""
     self_._inner = primal
     if tangent is None:
-        if self_._tangent is not None:
-            self_._tangent = None  # e.g. zero_(): the value no longer depends on the input
+        self_._tangent = None  # e.g. zero_(): the value no longer depends on the input
         follow_inner(self_)
         return self_
     old = _base_tangent(self_, tangent)
@@ -204,20 +202,6 @@ def _update_inplace(self_: torch.Tensor, primal: torch.Tensor, tangent: Any) -> 
         self_._tangent = tangent
     follow_inner(self_)
     return self_
-
-
-_views: dict[int, bool] = {}
-
-
-def _returns_view(func) -> bool:
-    """Whether ``func`` returns a view of its first argument (slice, select, view...)."""
-    found = _views.get(id(func))
-    if found is None:
-        found = _views[id(func)] = any(
-            r.alias_info is not None and not r.alias_info.is_write
-            for r in func._schema.returns
-        )
-    return found
 
 
 def _to_dual(a: Any, cls, level: int) -> Any:

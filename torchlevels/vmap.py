@@ -22,7 +22,7 @@ from torchlevels._dim_inputs import accepts_dims
 from torchlevels._level import Level, LevelTensor, entered, new_level_class, set_logical_meta
 from torchlevels.batching import predispatch, shortcuts
 from torchlevels.batching.registry import How, resolve, resolved_by_id
-from torchlevels.batching.shortcuts import wrap_front
+from torchlevels.batching.shortcuts import wrap_all_front, wrap_front
 
 _make_wrapper_subclass = torch.Tensor._make_wrapper_subclass
 _restore_tls = torch._C._RestorePythonTLSSnapshot
@@ -165,10 +165,7 @@ def _pointwise_fast_path(cls, func, args, kwargs):
             phys.append(a)
     if rank == -1:  # our tensor was in kwargs: not this path
         return None
-    out = func(*phys, **kwargs)
-    if not isinstance(out, torch.Tensor):
-        return tuple(wrap_front(cls, o) for o in out)
-    return wrap_front(cls, out)
+    return wrap_all_front(cls, func(*phys, **kwargs))
 
 
 def wrap_batched(cls, inner: torch.Tensor, bdim: int) -> torch.Tensor:

@@ -138,7 +138,21 @@ def writes_first_argument(func: OpOverload) -> bool:
     return found
 
 
+def returns_view(func: OpOverload) -> bool:
+    """Whether ``func`` returns a view of an argument (slice, select, view, split...).
+
+    Cached by ``id(func)``, like :func:`writes_first_argument`.
+    """
+    found = _returns_view.get(id(func))
+    if found is None:
+        found = _returns_view[id(func)] = any(
+            r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns
+        )
+    return found
+
+
 _writes_first: dict[int, bool] = {}
+_returns_view: dict[int, bool] = {}
 
 
 def _is_inplace(func: OpOverload) -> bool:

@@ -95,7 +95,8 @@ def wrap_front(cls, out: torch.Tensor) -> torch.Tensor:
     return wrapped
 
 
-def _wrap_all(cls, out: Any) -> Any:
+def wrap_all_front(cls, out: Any) -> Any:
+    """:func:`wrap_front` of an op's output: one tensor, or each of a tuple's."""
     if isinstance(out, torch.Tensor):
         return wrap_front(cls, out)
     return tuple(wrap_front(cls, o) for o in out)
@@ -124,13 +125,14 @@ def _unbatched(cls, a: Any) -> bool:
 
 
 def _call(func, args, kwargs):
-    """``func`` on physical tensors, with tensors of enclosing vmap levels free to take
-    their own shortcuts."""
-    for a in args:
-        if isinstance(a, LevelTensor):
-            with _enable_torch_function():
-                return func(*args, **kwargs)
-    return func(*args, **kwargs)
+    """``func`` on physical tensors. Tensors of an enclosing vmap level among them may take
+    that level's own shortcuts; with none, no level's tensor is left and vmap's
+    composite-op hook (predispatch.py) is skipped."""
+    if any(isinstance(a, LevelTensor) for a in args):
+        with _enable_torch_function():
+            return func(*args, **kwargs)
+    with unintercepted():
+        return func(*args, **kwargs)
 
 
 # -- pointwise: batched tensors of one logical rank, unbatched ones no higher ----------------
@@ -176,10 +178,8 @@ def pointwise(cls, func, args, kwargs):
     if rank == -1 or plain_rank > rank or (plain_rank != -1 and rank == 0):
         return None
     if nested:
-        with _enable_torch_function():
-            out = func(*phys, **kwargs)
-        return wrap_front(cls, out)
-    return wrap_front(cls, func(*phys, **kwargs))
+        return wrap_front(cls, _call(func, phys, kwargs))
+    return wrap_front(cls, func(*phys, **kwargs))  # plain tensors: the hot path, no guard
 
 
 def activation(cls, func, args, kwargs):
@@ -198,25 +198,25 @@ def _unbatched_rest(cls, args, kwargs) -> bool:
                if isinstance(a, torch.Tensor))
 
 
+def _first_batched(cls, func, args, kwargs, fits: Callable[[int], bool]) -> Any:
+    """``func`` on the batch when its first argument is ours with an example rank that
+    ``fits`` and every other tensor is unbatched."""
+    inner = _own(cls, args[0])
+    if inner is None or not fits(inner.dim() - 1) or not _unbatched_rest(cls, args, kwargs):
+        return None
+    return wrap_all_front(cls, _call(func, (inner, *args[1:]), kwargs))
+
+
 def leading_dims(cls, func, args, kwargs):
     """``F.linear`` and kin take any number of leading dims: the batch is one more."""
-    inner = _own(cls, args[0])
-    if inner is None or inner.dim() < 2 or not _unbatched_rest(cls, args, kwargs):
-        return None
-    if type(inner) is torch.Tensor:
-        with unintercepted():  # no level's tensor left: skip vmap's composite-op hook
-            return _wrap_all(cls, func(inner, *args[1:], **kwargs))
-    return _wrap_all(cls, _call(func, (inner, *args[1:]), kwargs))
+    return _first_batched(cls, func, args, kwargs, lambda rank: rank >= 1)
 
 
 def example_rank(rank: int) -> Shortcut:
     """Convolution, pooling: one example has ``rank`` dims, and a batch of them one more."""
 
     def shortcut(cls, func, args, kwargs):
-        inner = _own(cls, args[0])
-        if inner is None or inner.dim() != rank + 1 or not _unbatched_rest(cls, args, kwargs):
-            return None
-        return _wrap_all(cls, _call(func, (inner, *args[1:]), kwargs))
+        return _first_batched(cls, func, args, kwargs, rank.__eq__)
 
     return shortcut
 
