@@ -28,7 +28,12 @@ _innermost: contextvars.ContextVar[type[LevelTensor] | None] = contextvars.Conte
 
 _DETACH = torch.ops.aten.detach.default
 _AUTOGRAD = torch._C.DispatchKey.AutogradFunctionality
+_AUTOGRAD_KEYS = tuple(getattr(torch._C.DispatchKey, k) for k in (
+    "AutogradFunctionality", "AutogradOther", "AutogradNestedTensor"))
+_AD_INPLACE_OR_VIEW = torch._C.DispatchKey.ADInplaceOrView
 _autograd_excluded = torch._C._dispatch_tls_is_dispatch_key_excluded
+_set_excluded = torch._C._dispatch_tls_set_dispatch_key_excluded
+_restore_tls = torch._C._RestorePythonTLSSnapshot
 _no_subclass_torch_function = torch._C.DisableTorchFunctionSubclass
 _disabled_torch_function = torch._C._disabled_torch_function_impl
 
@@ -141,6 +146,32 @@ class LevelTensor(torch.Tensor):
         if not level.alive:
             return f"<tensor escaped from {level.describe()}>"
         return f"{type(self).__name__}(level={level.describe()}, inner={self._inner!r})"
+
+
+class autograd_on:  # lower case: used like a function, `with autograd_on():`
+    """Inside ``__torch_dispatch__``: the dispatch keys as the user set them when the op
+    was called (PyTorch's TLS snapshot), so that autograd and forward AD record the op run
+    on inner tensors, for every level outside this one to differentiate.
+
+    PyTorch takes the snapshot below autograd for an op with Python kernels that make_fx's
+    Python dispatcher runs (``ones_like`` under ``trace``): autograd's keys, and the
+    ADInplaceOrView key that ``make_dual`` needs, are let back in then. Inference mode
+    excludes autograd itself, and is respected.
+    """
+
+    __slots__ = ("_snapshot",)
+
+    def __enter__(self) -> None:
+        self._snapshot = _restore_tls()
+        self._snapshot.__enter__()  # its exit restores every key changed below
+        if _autograd_excluded(_AD_INPLACE_OR_VIEW):
+            _set_excluded(_AD_INPLACE_OR_VIEW, False)
+        if _autograd_excluded(_AUTOGRAD) and not torch.is_inference_mode_enabled():
+            for key in _AUTOGRAD_KEYS:
+                _set_excluded(key, False)
+
+    def __exit__(self, *exc: object) -> None:
+        self._snapshot.__exit__(*exc)
 
 
 def wrap_inner(cls: type[LevelTensor], inner: torch.Tensor) -> LevelTensor:

@@ -31,6 +31,7 @@ import torch.autograd.forward_ad as fwAD
 from torchlevels._level import (
     Level,
     LevelTensor,
+    autograd_on,
     enclosing_classes,
     entered,
     follow_inner,
@@ -40,9 +41,6 @@ from torchlevels._level import (
     wrap_inner,
 )
 from torchlevels.batching.registry import returns_view, writes_first_argument
-
-_restore_tls = torch._C._RestorePythonTLSSnapshot
-_AD_INPLACE_OR_VIEW = torch._C.DispatchKey.ADInplaceOrView
 
 
 def shallow_copy(t: Any) -> Any:
@@ -102,7 +100,7 @@ class GradLevel(Level):
         inplace = writes_first_argument(func)
         if inplace and type(args[0]) is not cls:
             _raise_captured_inplace(func, self.kind)
-        with _restore_tls():  # autograd on again for the inner tensors, as the user set it
+        with autograd_on():  # autograd on again for the inner tensors, as the user set it
             out = func(*inner_args, **inner_kwargs)
             if not inplace:
                 out = _resolve_lazy_bits(out)  # recorded by autograd, so inside the block
@@ -148,7 +146,7 @@ class JvpLevel(Level):
         inplace = writes_first_argument(func)
         if inplace and type(args[0]) is not cls:
             _raise_captured_inplace(func, "jvp")
-        with _dual_level() as level, _restore_tls(), _ad_inplace_or_view():
+        with _dual_level() as level, autograd_on():
             dual_args = [_to_dual(a, cls, level) for a in args]
             dual_kwargs = {k: _to_dual(v, cls, level) for k, v in kwargs.items()}
             out = func(*dual_args, **dual_kwargs)
@@ -221,20 +219,6 @@ def _from_dual(cls, out: Any, level: int) -> Any:
     if isinstance(out, (tuple, list)):
         return type(out)(_from_dual(cls, o, level) for o in out)
     return out
-
-
-@contextlib.contextmanager
-def _ad_inplace_or_view() -> Iterator[None]:
-    """make_dual needs the ADInplaceOrView key, which the TLS snapshot of some ops excludes."""
-    excluded = torch._C._dispatch_tls_is_dispatch_key_excluded(_AD_INPLACE_OR_VIEW)
-    if not excluded:
-        yield
-        return
-    torch._C._dispatch_tls_set_dispatch_key_excluded(_AD_INPLACE_OR_VIEW, False)
-    try:
-        yield
-    finally:
-        torch._C._dispatch_tls_set_dispatch_key_excluded(_AD_INPLACE_OR_VIEW, True)
 
 
 @contextlib.contextmanager

@@ -19,13 +19,19 @@ from torch.utils._pytree import TreeSpec, _broadcast_to_and_flatten, tree_flatte
 
 from torchlevels import batching  # noqa: F401  (registers the rules)
 from torchlevels._dim_inputs import accepts_dims
-from torchlevels._level import Level, LevelTensor, entered, new_level_class, set_logical_meta
+from torchlevels._level import (
+    Level,
+    LevelTensor,
+    autograd_on,
+    entered,
+    new_level_class,
+    set_logical_meta,
+)
 from torchlevels.batching import predispatch, shortcuts
 from torchlevels.batching.registry import How, resolve, resolved_by_id
 from torchlevels.batching.shortcuts import wrap_all_front, wrap_front
 
 _make_wrapper_subclass = torch.Tensor._make_wrapper_subclass
-_restore_tls = torch._C._RestorePythonTLSSnapshot
 RANDOMNESS = ("error", "different", "same")
 
 
@@ -112,7 +118,7 @@ class BatchLevel(Level):
             out, out_dims = rule.fn(self, func, phys, dims, kwargs)
         elif grad and torch.is_grad_enabled():
             # Record autograd on the inner tensors, so autograd outside vmap sees the graph.
-            with _restore_tls():
+            with autograd_on():
                 out, out_dims = rule.fn(func, phys, dims, kwargs)
         else:
             out, out_dims = rule.fn(func, phys, dims, kwargs)

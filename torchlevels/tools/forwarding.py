@@ -20,14 +20,13 @@ from torch.utils._pytree import tree_map
 from torchlevels._level import (
     Level,
     LevelTensor,
+    autograd_on,
     follow_inner,
     unwrap_own,
     wrap_all,
     wrap_inner,
 )
 from torchlevels.batching.registry import writes_first_argument
-
-_restore_tls = torch._C._RestorePythonTLSSnapshot
 
 
 class ForwardingLevel(Level):
@@ -76,7 +75,7 @@ class ForwardingLevel(Level):
     def dispatch(self, cls, func, args, kwargs):
         inner_args = [unwrap_own(a, cls) for a in args]
         inner_kwargs = {k: unwrap_own(v, cls) for k, v in kwargs.items()} if kwargs else {}
-        with _restore_tls():  # autograd outside records on the inner tensors, as grad does
+        with autograd_on():  # autograd outside records on the inner tensors, as grad does
             out = self.process(func, tuple(inner_args), inner_kwargs)
         if writes_first_argument(func):
             self_ = args[0]

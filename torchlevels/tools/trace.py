@@ -86,9 +86,24 @@ def _trace(func: Callable, args: tuple, kwargs: dict) -> tuple[GraphModule, Any]
             raise
         raise DataDependentError(_data_dependent(func, "aten._local_scalar_dense")) from e
     _check_no_python_values(gm, func)
+    _drop_aliases(gm)
     gm.graph.eliminate_dead_code()
     gm.recompile()
     return gm, out_spec
+
+
+def _drop_aliases(gm: GraphModule) -> None:
+    """Read through ``aten.alias`` nodes (forward AD makes one per dual tensor it packs or
+    unpacks, half the nodes of a jvp's graph). An alias has its input's storage and
+    metadata, so reading it is reading its input; an alias that an op writes to (which
+    could change its metadata alone: ``t_``) is kept."""
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target is aten.alias.default and not any(
+            isinstance(u.target, torch._ops.OpOverload) and u.target._schema.is_mutable
+            for u in node.users
+        ):
+            node.replace_all_uses_with(node.args[0])
+            gm.graph.erase_node(node)
 
 
 # Ops that hand a tensor's values (not its metadata) to Python.
