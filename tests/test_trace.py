@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.func as tf
 import torch.nn.functional as F
+from test_compositions import FUNCTIONS, PAIRS, TRANSFORMS, TRIPLES, _chain_id, compose, make_input
 from test_workloads import (
     HVP,
     assert_tree_close,
@@ -66,6 +67,20 @@ def test_trace_of_jvp_of_grad():
     assert torch.ops.aten.alias.default not in call_functions(gm)  # read through
     gm = tl.trace(lambda x, v: tl.jvp(lambda x: torch.ones_like(x) * x.sin(), (x,), (v,)))(x, v)
     assert_tree_close(tuple(gm(x, v)), tf.jvp(lambda x: torch.ones_like(x) * x.sin(), (x,), (v,)))
+
+
+@pytest.mark.parametrize("fname", list(FUNCTIONS))
+@pytest.mark.parametrize("chain", [(t,) for t in TRANSFORMS] + PAIRS + TRIPLES, ids=_chain_id)
+def test_trace_of_every_composition_replays_torch_func_on_new_inputs(chain, fname):
+    f = FUNCTIONS[fname]
+    x = make_input(chain)
+    try:
+        compose(tf, chain, f)(x)
+    except Exception as e:
+        pytest.skip(f"torch.func rejects this composition: {str(e)[:200]}")
+    gm = tl.trace(compose(tl, chain, f))(x)
+    for new in (x * 1.3 + 0.1, -x):  # a graph stands for every input of the signature
+        torch.testing.assert_close(gm(new)[0], compose(tf, chain, f)(new))
 
 
 def test_an_alias_written_in_place_stays_in_the_graph():
