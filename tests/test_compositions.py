@@ -252,3 +252,31 @@ def test_vjp_over_jvp_and_jvp_over_vjp_with_values():
     ref = ft.jvp(vjp_of(ft), (x,), (t.flip(0),))
     ours = tl.jvp(vjp_of(tl), (x,), (t.flip(0),))
     torch.testing.assert_close(ours, ref)
+
+
+# Functions whose backward (or forward-AD) formulas make buffers from the incoming
+# cotangent (or tangent) and write into them by indices that are batched under vmap.
+# jacrev's basis of cotangents skips the vmap and grad levels around it (one basis, not
+# one per example): such writes must still land in batched buffers.
+INDEXED = {
+    "gather_by_argsort": lambda x: x.gather(0, x.argsort()) * x,
+    "index_by_argsort": lambda x: x[x.argsort()[:2]] * x.sum(),
+    "sort": lambda x: x.sort().values * x,
+    "scatter_by_argsort": lambda x: torch.zeros(N, dtype=x.dtype).scatter(0, x.argsort(), x),
+    "max_dim": lambda x: x.max(0).values * x,
+    "index_put_by_argsort": lambda x: x.index_put((x.argsort()[:2],), x[:2] * 2),
+}
+JACOBIANS_UNDER_VMAP = {
+    "vmap(jacrev)": lambda lib, f: lib.vmap(lib.jacrev(f)),
+    "vmap(jacfwd)": lambda lib, f: lib.vmap(lib.jacfwd(f)),
+    "vmap(hessian)": lambda lib, f: lib.vmap(lib.hessian(lambda x: f(x).sum())),
+    "vmap(jacrev(jacrev))": lambda lib, f: lib.vmap(lib.jacrev(lib.jacrev(f))),
+}
+
+
+@pytest.mark.parametrize("fname", list(INDEXED))
+@pytest.mark.parametrize("transform", list(JACOBIANS_UNDER_VMAP))
+def test_jacobians_under_vmap_of_batched_index_writes(transform, fname):
+    x = make_input(("vmap",))
+    apply = JACOBIANS_UNDER_VMAP[transform]
+    torch.testing.assert_close(apply(tl, INDEXED[fname])(x), apply(ft, INDEXED[fname])(x))

@@ -182,6 +182,14 @@ def test_log_ops_outside_grad_sees_the_backward_ops():
     assert all(line.count("f64[") >= 1 for line in lines if "cos" in line)
 
 
+def test_log_ops_outside_vmap_of_jacrev_sees_one_basis_for_the_batch():
+    # the basis of cotangents is a constant: made once below vmap, not once per example
+    lines = logged_lines(lambda out: tl.log_ops(
+        tl.vmap(tl.jacrev(lambda x: x.sin() * x.sum())), file=out)(torch.randn(3, 4)))
+    (new_zeros,) = [line for line in lines if line.startswith("aten.new_zeros")]
+    assert new_zeros.endswith("-> f32[4, 4]")
+
+
 def test_log_ops_context_manager_and_arguments():
     out = io.StringIO()
     with tl.log_ops(file=out) as L:

@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from torchlevels._dim_inputs import accepts_dims
 from torchlevels._level import LevelTensor, enclosing_classes, innermost
 from torchlevels.autodiff import GradLevel, grad_level, jvp_level, shallow_copy
-from torchlevels.vmap import vmap
+from torchlevels.vmap import BatchLevel, vmap
 
 __all__ = [
     "functional_call", "grad", "grad_and_value", "hessian", "jacfwd", "jacrev", "jvp",
@@ -363,8 +363,7 @@ def _basis(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     total = sum(t.numel() for t in tensors)
     first = tensors[0]
     if first.layout == torch.strided:
-        # made from the tensors, so it lives at their level: a tool level outside sees its ops
-        eye = first.new_zeros(total, total)
+        eye = _below_transforms(first).new_zeros(total, total)
         eye.diagonal().fill_(1)
     else:  # sparse outputs: a dense basis
         eye = torch.eye(total, dtype=first.dtype, device=first.device)
@@ -373,6 +372,20 @@ def _basis(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         out.append(eye[:, start:start + t.numel()].to(t.dtype).reshape(total, *t.shape))
         start += t.numel()
     return out
+
+
+def _below_transforms(t: torch.Tensor) -> torch.Tensor:
+    """``t`` unwrapped through the vmap and grad levels around it: a constant made from
+    it (``new_zeros``) skips those levels, which would only see it as unbatched and
+    untracked, yet lives at any tool level outside them, which sees its ops. Unwrapping
+    stops at a jvp level: forward-AD formulas write into buffers made from a tangent, so
+    a basis of tangents must live at every jvp level around it."""
+    while isinstance(t, LevelTensor) and isinstance(type(t)._level, _SKIPPED_BY_CONSTANTS):
+        t = t._inner
+    return t
+
+
+_SKIPPED_BY_CONSTANTS = (BatchLevel, GradLevel)
 
 
 def _split_rows(flat_rows: list[torch.Tensor], flat_out: list) -> list[list[torch.Tensor]]:
