@@ -842,3 +842,30 @@ def test_conjugate_views_inside_grad_match_torch_func():
     torch.testing.assert_close(tl.grad(f)(x), expected)
     # torch.func.jacrev cannot batch the _neg_view here; for a scalar f it is the gradient
     torch.testing.assert_close(tl.jacrev(f)(x), expected)
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean", "max"])
+def test_embedding_bag_under_grad_takes_its_differentiable_kernel(mode):
+    # the composite picks a kernel with no derivative when the weight does not require
+    # grad, as a grad level's wrapper does not: the level swaps in the one with it
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(10, 3, dtype=torch.float64, generator=g)
+    ws = torch.randn(4, 10, 3, dtype=torch.float64, generator=g)
+    psw = torch.rand(8, dtype=torch.float64, generator=g)
+    idx, off = torch.tensor([1, 2, 4, 5, 4, 3, 2, 9]), torch.tensor([0, 4])
+
+    def bags(w):
+        return F.embedding_bag(idx, w, off, mode=mode)
+
+    def loss(w):
+        return bags(w).sin().sum()
+
+    for lib_f in (lambda lib: lib.grad(loss)(w), lambda lib: lib.jacrev(bags)(w),
+                  lambda lib: lib.vmap(lib.grad(loss))(ws)):
+        torch.testing.assert_close(lib_f(tl), lib_f(tf))
+    if mode == "sum":
+        def weighted(w, p):
+            return F.embedding_bag(idx, w, off, mode=mode, per_sample_weights=p).sum()
+
+        torch.testing.assert_close(tl.grad(weighted, argnums=(0, 1))(w, psw),
+                                   tf.grad(weighted, argnums=(0, 1))(w, psw))

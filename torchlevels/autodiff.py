@@ -42,6 +42,13 @@ from torchlevels._level import (
 )
 from torchlevels.batching.registry import returns_view, writes_first_argument
 
+# A composite op that picks a kernel without a derivative when no argument requires grad,
+# which a grad level's wrappers never do (autograd runs on their inner tensors): the
+# kernel with one, for the inner tensors that do.
+_DIFFERENTIABLE_KERNEL = {
+    torch.ops.aten._embedding_bag_forward_only.default: torch.ops.aten._embedding_bag.default,
+}
+
 
 def shallow_copy(t: Any) -> Any:
     """``t`` as a new tensor object with no autograd history of its own, dispatching no op."""
@@ -100,6 +107,7 @@ class GradLevel(Level):
         inplace = writes_first_argument(func)
         if inplace and type(args[0]) is not cls:
             _raise_captured_inplace(func, self.kind)
+        func = _DIFFERENTIABLE_KERNEL.get(func, func)
         with autograd_on():  # autograd on again for the inner tensors, as the user set it
             out = func(*inner_args, **inner_kwargs)
             if not inplace:
