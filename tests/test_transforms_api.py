@@ -438,6 +438,35 @@ def test_hessian_is_reverse_over_reverse(decomposition):
     assert_tree_close(tl.hessian(raw)(a), tf.jacrev(tf.jacrev(raw))(a))
 
 
+@pytest.mark.parametrize("opinfo", ["linalg.norm.subgradients_at_zero", "masked.logaddexp"])
+def test_hessian_at_non_differentiable_points_is_reverse_over_reverse(opinfo):
+    """At a point that is not twice differentiable (a norm at zero; logaddexp where a
+    mask leaves -inf), PyTorch's formulas give NaN second derivatives in
+    reverse-over-reverse and numbers in forward-over-reverse: on these OpInfo samples
+    torchlevels.hessian (jacrev(jacrev)) gives torch.func's jacrev(jacrev) NaNs."""
+    import opinfo_autodiff_harness as harness
+    from torch.testing._internal.common_methods_invocations import op_db
+
+    op = next(o for o in op_db if ".".join(filter(None, (o.name, o.variant_test_name))) == opinfo)
+
+    def hessians(lib, case, order):
+        xs = harness._inputs(case)
+        argnums = tuple(range(len(xs)))
+        return order(lib)(harness.scalar_fn(case), argnums=argnums)(*xs)
+
+    def nan(tree):
+        return any(t.isnan().any() for t in tree_flatten(tree)[0])
+
+    hessian = lambda lib: lib.hessian  # noqa: E731  (torch.func's is forward-over-reverse)
+    jacrev_jacrev = lambda lib: (  # noqa: E731
+        lambda f, argnums: lib.jacrev(lib.jacrev(f, argnums=argnums), argnums=argnums))
+    case = next(c for c in harness.cases(op, 4, harness.JAC_SCAN, small=True)
+                if not nan(hessians(tf, c, hessian)) and nan(hessians(tf, c, jacrev_jacrev)))
+    ours = hessians(tl, case, hessian)
+    assert nan(ours)
+    assert_tree_close(ours, hessians(tf, case, jacrev_jacrev), equal_nan=True)
+
+
 @pytest.mark.parametrize("order", ["left to right", "matrix-vector first"])
 def test_vmap_of_hessian_of_a_bilinear_form(order):
     """``x.tanh() @ A @ x.sin()``: a vector-matrix product first, once a failure here."""
