@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from torchlevels._level import LevelTensor, autograd_on
 from torchlevels.batching.dims import materialize
 from torchlevels.batching.registry import batch_size, register
 
@@ -32,8 +33,6 @@ def example_storage_numel(t: torch.Tensor, bdim: int | None) -> int | None:
 
 
 def _storage_numel(t: torch.Tensor) -> int | None:
-    from torchlevels._level import LevelTensor
-
     if isinstance(t, LevelTensor):
         return example_storage_numel(t._inner, getattr(t, "_bdim", None))
     return t.untyped_storage().nbytes() // t.element_size()
@@ -52,5 +51,5 @@ def new_zeros_with_same_feature_meta(func, args, dims, kwargs):
 @register(aten._fw_primal)
 def fw_primal(func, args, dims, kwargs):
     """The primal of a batched dual tensor: the physical tensor's primal, batched alike."""
-    with torch._C._RestorePythonTLSSnapshot():  # the op only exists with autograd on
+    with autograd_on():  # the op only exists with autograd on
         return func(*args, **kwargs), dims[0]
