@@ -387,6 +387,21 @@ def test_take():
         check(torch.take, args, dims)
 
 
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_put(accumulate):
+    for dims in combos(3):
+        index = lambda: torch.randperm(20)[:6] - 10  # noqa: E731  (distinct, some negative)
+        args = [batched(randn(4, 5), dims[0]), batched(index, dims[1]), batched(randn(6), dims[2])]
+        check(lambda x, i, s: x.put(i, s, accumulate=accumulate), args, dims)
+
+
+def test_put_out_of_range_raises_for_its_own_example():
+    # an index past one example's end must not land in the next example
+    x, i = torch.randn(B, 4), torch.tensor([[0], [4], [1]])
+    with pytest.raises(RuntimeError, match="out of bounds"):
+        run_ours(lambda x, i: x.put(i, torch.ones(1)), [x, i], (0, 0))
+
+
 def test_take_out_of_range_raises():
     x, i = torch.randn(B, 4), torch.tensor([[0], [1], [4]])
     with pytest.raises((RuntimeError, IndexError)):

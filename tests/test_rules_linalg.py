@@ -12,7 +12,7 @@ import functools
 
 import pytest
 import torch
-from vmap_reference import check_vmap
+from vmap_reference import check_vmap, vmap_without_slow_loop
 
 from torchlevels import grad, vmap
 from torchlevels.batching import registry
@@ -135,6 +135,21 @@ def test_lu_unpack(dims, flags):
 @pytest.mark.parametrize("dim", [0, 1])
 def test_diag_embed(shape, rest, dim):
     check(lambda x: torch.diag_embed(x, *rest), at(rand(*shape), dim), in_dims=dim)
+
+
+@pytest.mark.parametrize("dims", [(0, 0), (0, None), (None, 0), (1, -1)])
+@pytest.mark.parametrize("p", [2.0, 1.0, 3.0])
+@pytest.mark.parametrize("own_batch", [(), (2,)])
+def test_cdist_and_its_gradients(dims, p, own_batch):
+    x1, x2 = at(rand(*own_batch, 4, 3), dims[0]), at(rand(*own_batch, 5, 3), dims[1])
+    check_vmap(lambda a, b: torch.cdist(a, b, p=p), x1, x2, in_dims=dims)
+
+    def loss(a, b):
+        return torch.cdist(a, b, p=p).sin().sum()
+
+    ours = vmap_without_slow_loop(grad(loss, argnums=(0, 1)), x1, x2, in_dims=dims)
+    torch.testing.assert_close(ours, torch.func.vmap(torch.func.grad(loss, argnums=(0, 1)),
+                                                     in_dims=dims)(x1, x2))
 
 
 def test_diag_of_vector():

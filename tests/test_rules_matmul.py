@@ -13,9 +13,9 @@ import itertools
 import pytest
 import torch
 import torch.nn.functional as F
-from vmap_reference import check_vmap, loop_reference
+from vmap_reference import check_vmap, loop_reference, vmap_without_slow_loop
 
-from torchlevels import vmap
+from torchlevels import grad, vmap
 from torchlevels.batching import registry
 
 aten = torch.ops.aten
@@ -264,3 +264,21 @@ def test_registered_as_own_rules():
                aten.vdot.default, aten.addmm.default, aten.baddbmm.default,
                aten.addbmm.default, aten.addmv.default, aten.addr.default]:
         assert registry.resolve(op).how is registry.How.OWN, op
+
+
+@pytest.mark.parametrize("dims", [c for c in itertools.product((None, 0, -1), repeat=3)
+                                  if any(d is not None for d in c)])
+@pytest.mark.parametrize("n", [(5,), ()])
+@pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")  # torch.func's
+def test_bilinear_and_its_gradients(dims, n):
+    """F.bilinear runs aten._trilinear; its derivatives run _trilinear again."""
+    x1, x2, w = (batched(shape, d) for shape, d in zip(((*n, 4), (*n, 6), (7, 4, 6)), dims))
+    bias = torch.randn(7, dtype=torch.float64)
+    check(lambda x1, x2, w: F.bilinear(x1, x2, w, bias), x1, x2, w, in_dims=dims)
+
+    def loss(x1, x2, w):
+        return F.bilinear(x1, x2, w, bias).sin().sum()
+
+    grads = torch.func.grad(loss, argnums=(0, 1, 2))
+    ours = vmap_without_slow_loop(grad(loss, argnums=(0, 1, 2)), x1, x2, w, in_dims=dims)
+    torch.testing.assert_close(ours, torch.func.vmap(grads, in_dims=dims)(x1, x2, w))

@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch.utils._pytree import tree_flatten
-from vmap_reference import check_vmap
+from vmap_reference import check_vmap, vmap_without_slow_loop
 
-from torchlevels import vmap
+from torchlevels import grad, vmap
 
 aten = torch.ops.aten
 B = 3
@@ -138,6 +138,31 @@ def test_pooling(pool, k, has_n, dim):
     x = torch.randn(((2,) if has_n else ()) + (3,) + (7, 6, 5)[:k])
     x, _ = maybe(x, True, dim % (x.dim() + 1))
     check(pool, x, in_dims=dim)
+
+
+@pytest.mark.parametrize("spatial", [2, 3])
+@pytest.mark.parametrize("dims", [(0, 0), (0, None), (None, 0), (1, -1)])
+@pytest.mark.parametrize("mode", ["bilinear", "nearest"])
+def test_grid_sample(spatial, dims, mode):
+    x = torch.randn((2, 3) + (5, 4, 6)[:spatial], dtype=torch.float64)
+    grid = torch.rand((2,) + (3, 2, 4)[:spatial] + (spatial,), dtype=torch.float64) * 2 - 1
+    (x, xd), (grid, gd) = (maybe(t, d is not None, 0 if d is None else d % (t.dim() + 1))
+                           for t, d in zip((x, grid), dims))
+
+    def sample(x, grid):
+        return F.grid_sample(x, grid, mode=mode, align_corners=False)
+
+    def grads(lib):
+        return lib.vmap(lib.grad(lambda x, g: sample(x, g).sin().sum(), argnums=(0, 1)),
+                        in_dims=(xd, gd))(x, grid)
+
+    # torch.func's own rule mis-batches batch dims that are not first: the loop decides
+    front = all(d in (0, None) for d in (xd, gd))
+    check_vmap(sample, x, grid, in_dims=(xd, gd), against_func=front)
+    got = vmap_without_slow_loop(
+        grad(lambda x, g: sample(x, g).sin().sum(), argnums=(0, 1)), x, grid, in_dims=(xd, gd))
+    if front:
+        torch.testing.assert_close(got, grads(torch.func))
 
 
 @pytest.mark.parametrize("k", [1, 2, 3])

@@ -282,6 +282,26 @@ def take(func, args, dims, kwargs):
     return flat.gather(1, flat_index).view(index.shape), 0
 
 
+@register(aten.put.default)
+def put(func, args, dims, kwargs):
+    """put: scatter into each example's flattened self (scatter checks every index
+    against its own example, where offsetting into one flat tensor would not)."""
+    self, index, source, *rest = args
+    accumulate = bool(rest[0]) if rest else kwargs.get("accumulate", False)
+    size = batch_size(args, dims)
+    x = materialize(self, dims[0], size)
+    flat = x.reshape(size, -1)
+    flat_index = materialize(index, dims[1], size).reshape(size, -1)
+    flat_index = torch.where(flat_index < 0, flat_index + flat.shape[1], flat_index)
+    flat_source = materialize(source, dims[2], size).reshape(size, -1)
+    if flat_index.shape != flat_source.shape:  # torch's own message, from one example
+        func(self.select(dims[0], 0) if dims[0] is not None else self,
+             index.select(dims[1], 0) if dims[1] is not None else index,
+             source.select(dims[2], 0) if dims[2] is not None else source, *rest, **kwargs)
+    scatter = flat.scatter_add if accumulate else flat.scatter
+    return scatter(1, flat_index, flat_source).view(x.shape), 0
+
+
 @register(aten.masked_fill.Tensor, aten.masked_fill_.Scalar, aten.masked_fill_.Tensor)
 def masked_fill(func, args, dims, kwargs):
     """masked_fill: pointwise, except a batched fill value becomes a ``where``."""

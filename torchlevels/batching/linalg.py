@@ -95,6 +95,17 @@ leading_batch_dims(aten.ormqr.default, cores=(2, 1, 2), equal=True)
 leading_batch_dims(aten.linalg_lu_solve.default, aten.linalg_ldl_solve.default,
                    cores=(2, 1, 2), equal=True)
 leading_batch_dims(aten.lu_unpack.default, cores=(2, 1), equal=True)
+leading_batch_dims(aten._cdist_forward.default, cores=(2, 2), equal=True)
+
+
+@register(aten._cdist_backward.default)
+def cdist_backward(func, args, dims, kwargs):
+    """Leading batch dims, all equal and contiguous, as the kernel requires."""
+    size = batch_size(args, dims)
+    grad, x1, x2, p, dist = (a if d is None and not isinstance(a, torch.Tensor)
+                             else materialize(a, d, size).contiguous()
+                             for a, d in zip(args, dims))
+    return func(grad, x1, x2, p, dist, **kwargs), 0
 
 
 @register(aten.tril_.default, aten.triu_.default)

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from torchlevels.batching.dims import logical_shape, pad_to_rank, to_front
-from torchlevels.batching.registry import register
+from torchlevels.batching.dims import logical_shape, materialize, pad_to_rank, to_front
+from torchlevels.batching.registry import batch_size, register
 
 aten = torch.ops.aten
 
@@ -225,3 +225,15 @@ def addr(func, args, dims, kwargs):
     col = to_front(v1, d1).unsqueeze(-1)  # (B, n, 1) or (n, 1)
     row = to_front(v2, d2).unsqueeze(-2)  # (B, 1, m) or (1, m)
     return torch.addcmul(s, col, row, value=alpha), 0
+
+
+@register(aten._trilinear.default)
+def trilinear(func, args, dims, kwargs):
+    """``F.bilinear``'s kernel: the batch becomes a leading dim of all three operands
+    (expanded for the unbatched ones), so every dim argument moves up by one."""
+    i1, i2, i3, *dim_lists = args
+    size = batch_size(args, dims)
+    phys = [materialize(t, d, size) for t, d in zip((i1, i2, i3), dims)]
+    expand1, expand2, expand3, sumdim, *unroll = dim_lists
+    shifted = [[d + 1 for d in ds] for ds in (expand1, expand2, expand3, sumdim)]
+    return func(*phys, *shifted, *(u + 1 for u in unroll), **kwargs), 0

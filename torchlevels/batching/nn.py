@@ -124,6 +124,28 @@ def constant_pad_nd(func, args, dims, kwargs):
     return func(to_front(args[0], dims[0]), *args[1:], **kwargs), 0
 
 
+@register(aten.grid_sampler_2d.default, aten.grid_sampler_3d.default)
+def grid_sampler(func, args, dims, kwargs):
+    """Input ``[N, C, *spatial]`` and grid ``[N, *out, k]`` pair up by N: fold the batch
+    into N of both."""
+    x, grid, *rest = args
+    size = batch_size(args, dims)
+    out = func(materialize(x, dims[0], size).flatten(0, 1),
+               materialize(grid, dims[1], size).flatten(0, 1), *rest, **kwargs)
+    return out.unflatten(0, (size, -1)), 0
+
+
+@register(aten.grid_sampler_2d_backward.default, aten.grid_sampler_3d_backward.default)
+def grid_sampler_backward(func, args, dims, kwargs):
+    """As the forward: the gradient, input and grid fold the batch into N."""
+    go, x, grid, *rest = args
+    size = batch_size(args, dims)
+    folded = (materialize(t, d, size).flatten(0, 1) for t, d in zip((go, x, grid), dims))
+    outs = tuple(None if o is None else o.unflatten(0, (size, -1))
+                 for o in func(*folded, *rest, **kwargs))
+    return outs, tuple(None if o is None else 0 for o in outs)
+
+
 # -- convolution --------------------------------------------------------------------------
 
 
