@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import itertools
+import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.testing import assert_close
 from vmap_reference import loop_reference, vmap_without_slow_loop
 
@@ -571,3 +573,58 @@ def test_nested_vmap(inner_dims):
     assert_close(ours, ref)
     inner = torch.func.vmap(f, inner_dims)  # one level checked by the tests above
     assert_close(ours, torch.stack([inner(xs[b], ii.select(outer_dims[1], b)) for b in range(2)]))
+
+
+# -- embedding_bag ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean", "max"])
+@pytest.mark.parametrize("include_last_offset", [False, True])
+@pytest.mark.parametrize("padding_idx", [None, 2])
+def test_embedding_bag(mode, include_last_offset, padding_idx):
+    """F.embedding_bag (the forward-only kernel) and aten._embedding_bag (with every
+    output: offset2bag, bag sizes and max indices per example), and per-sample gradients."""
+    rows, length = 10, 8
+
+    def offsets():  # four bags, some empty
+        cuts = torch.sort(torch.randint(0, length + 1, (3,))).values
+        return torch.cat([torch.zeros(1, dtype=torch.long), cuts]
+                         + [torch.tensor([length])] * include_last_offset)
+
+    for dims in combos(4 if mode == "sum" else 3):
+        args = [batched(randn(rows, 4), dims[0]), batched(randint(rows, length), dims[1]),
+                batched(offsets, dims[2])]
+        if mode == "sum":  # per-sample weights
+            args.append(batched(lambda: torch.rand(length), dims[3]))
+
+        def bags(w, i, o, p=None):
+            return F.embedding_bag(i, w, o, mode=mode, include_last_offset=include_last_offset,
+                                   padding_idx=padding_idx, per_sample_weights=p)
+
+        check(bags, args, dims)
+        for op in (aten._embedding_bag.default, aten._embedding_bag_forward_only.default):
+            def raw(w, i, o, p=None, op=op):  # the kernel wants contiguous indices
+                code = ("sum", "mean", "max").index(mode)
+                pad = -1 if padding_idx is None else padding_idx
+                return op(w, i.contiguous(), o.contiguous(), False, code, False, p,
+                          include_last_offset, pad)
+
+            ours = run_ours(raw, _clone(args), tuple(dims))
+            loop = loop_reference(raw, _clone(args), tuple(dims))
+            assert_close(ours[0], loop[0])
+            # bag sizes and max indices per example, and offset2bag unless the kernel left
+            # it empty (as it does for some weight layouts; the backward then recomputes
+            # it). The forward-only kernel's other outputs vary with the weight's layout.
+            if op is aten._embedding_bag.default:
+                assert_close(ours[2:], loop[2:])
+                if ours[1].numel() and loop[1].numel():
+                    assert_close(ours[1], loop[1])
+
+        def loss(w, i, o, p=None):
+            return bags(w, i, o, p).sin().sum()
+
+        argnums = (0, 3) if mode == "sum" else 0
+        with warnings.catch_warnings():  # the backward still takes the slow loop
+            warnings.simplefilter("ignore")
+            ours = torchlevels.vmap(torchlevels.grad(loss, argnums), tuple(dims))(*args)
+        assert_close(ours, loop_reference(torch.func.grad(loss, argnums), args, tuple(dims)))

@@ -508,3 +508,67 @@ def embedding_dense_backward(func, args, dims, kwargs):
     if padding_idx >= 0:
         out[:, padding_idx] = 0  # a fresh tensor: zero the padding row of every example
     return out, 0
+
+
+_BAG_OPTIONS = ("scale_grad_by_freq", "mode", "sparse", "per_sample_weights",
+                "include_last_offset", "padding_idx")
+_BAG_DEFAULTS = (False, 0, False, None, False, -1)
+
+
+@register(aten._embedding_bag.default, aten._embedding_bag_forward_only.default)
+def embedding_bag(func, args, dims, kwargs):
+    """embedding_bag: a batched weight alone folds the batch into the features (one lookup
+    serves every example); batched indices, offsets or per-sample weights make the bags
+    of all examples one list of bags (a batched weight is then flattened and each
+    example's indices offset into its rows)."""
+    weight, indices, offsets = args[:3]
+    opts = {**dict(zip(_BAG_OPTIONS, _BAG_DEFAULTS)), **dict(zip(_BAG_OPTIONS, args[3:])),
+            **kwargs}
+    mode, padding_idx = opts["mode"], opts["padding_idx"]
+    psw_dim = dims[6] if len(dims) > 6 else None
+    if dims[1] is None and dims[2] is None and psw_dim is None:
+        size = weight.shape[dims[0]]
+        output, offset2bag, bag_size, max_indices = func(
+            weight.movedim(dims[0], 1).flatten(1, 2), indices, offsets, **opts)
+        output = output.unflatten(-1, (size, -1))
+        if mode == 2:  # max: per-feature rows of the table, the same for every example
+            return (output, offset2bag, bag_size, max_indices.unflatten(-1, (size, -1))), (
+                output.dim() - 2, None, None, output.dim() - 2)
+        return (output, offset2bag, bag_size, max_indices), (output.dim() - 2, None, None, None)
+    size = batch_size(args, dims)
+    index = materialize(indices, dims[1], size)
+    length = index.shape[1]
+    shift = _arange(size, 1, index.device)
+    if dims[0] is not None:  # [B * V, D], and each example's indices into its own rows
+        weight = to_front(weight, dims[0])
+        rows = weight.shape[1]
+        weight = weight.flatten(0, 1)
+        shifted = index + shift * rows
+        if padding_idx >= 0:  # padding stays padding_idx: such entries are skipped anyway
+            shifted = torch.where(index == padding_idx, index, shifted)
+        index = shifted
+    starts = materialize(offsets, dims[2], size) + shift * length
+    bags = starts.shape[1]
+    if opts["include_last_offset"]:  # an example's end is the next one's start
+        starts = torch.cat([starts[:, :-1].flatten(), starts[-1, -1:]])
+        bags -= 1
+    else:
+        starts = starts.flatten()
+    if opts["per_sample_weights"] is not None:
+        opts["per_sample_weights"] = materialize(opts["per_sample_weights"], psw_dim,
+                                                 size).flatten()
+    output, offset2bag, bag_size, max_indices = func(weight, index.flatten(), starts, **opts)
+    output = output.unflatten(0, (size, bags))
+    offset2bag_dim = None
+    if offset2bag.numel():  # each example's bags counted from 0
+        offset2bag, offset2bag_dim = offset2bag.view(size, length) - shift * bags, 0
+    if bag_size.numel() != size * bags:
+        # the forward-only kernel in sum mode leaves these zero, one per offset given
+        zeros = bag_size.new_zeros(bags + opts["include_last_offset"])
+        return (output, offset2bag, zeros, zeros.clone()), (0, offset2bag_dim, None, None)
+    bag_size = bag_size.unflatten(0, (size, bags))
+    max_indices = max_indices.unflatten(0, (size, bags))
+    if mode == 2 and dims[0] is not None:  # back to each example's rows (empty bags: 0)
+        max_indices = torch.where(bag_size.unsqueeze(-1) > 0,
+                                  max_indices - shift.unsqueeze(-1) * rows, max_indices)
+    return (output, offset2bag, bag_size, max_indices), (0, offset2bag_dim, 0, 0)
