@@ -17,9 +17,16 @@ from __future__ import annotations
 
 import torch
 
-from torchlevels.batching.dims import logical_rank, materialize, pad_to_rank, to_front, wrap_dim
+from torchlevels.batching.dims import (
+    logical_rank,
+    logical_shape,
+    materialize,
+    pad_to_rank,
+    to_front,
+    wrap_dim,
+)
 from torchlevels.batching.pointwise import pointwise_rule, raise_inplace_unbatched_self
-from torchlevels.batching.registry import batch_size, register, writes_first_argument
+from torchlevels.batching.registry import batch_size, loop_rule, register, writes_first_argument
 
 aten = torch.ops.aten
 MASK_DTYPES = (torch.bool, torch.uint8)
@@ -536,29 +543,20 @@ def embedding_bag(func, args, dims, kwargs):
                 output.dim() - 2, None, None, output.dim() - 2)
         return (output, offset2bag, bag_size, max_indices), (output.dim() - 2, None, None, None)
     size = batch_size(args, dims)
-    index = materialize(indices, dims[1], size)
-    length = index.shape[1]
-    shift = _arange(size, 1, index.device)
+    rows = 0
     if dims[0] is not None:  # [B * V, D], and each example's indices into its own rows
         weight = to_front(weight, dims[0])
         rows = weight.shape[1]
         weight = weight.flatten(0, 1)
-        shifted = index + shift * rows
-        if padding_idx >= 0:  # padding stays padding_idx: such entries are skipped anyway
-            shifted = torch.where(index == padding_idx, index, shifted)
-        index = shifted
-    starts = materialize(offsets, dims[2], size) + shift * length
-    bags = starts.shape[1]
-    if opts["include_last_offset"]:  # an example's end is the next one's start
-        starts = torch.cat([starts[:, :-1].flatten(), starts[-1, -1:]])
-        bags -= 1
-    else:
-        starts = starts.flatten()
+    length = logical_shape(indices, dims[1])[0]
+    bags = logical_shape(offsets, dims[2])[0] - opts["include_last_offset"]
+    index, starts = _flat_bags(size, bags, indices, offsets, dims[1:3], rows, padding_idx)
     if opts["per_sample_weights"] is not None:
         opts["per_sample_weights"] = materialize(opts["per_sample_weights"], psw_dim,
                                                  size).flatten()
-    output, offset2bag, bag_size, max_indices = func(weight, index.flatten(), starts, **opts)
+    output, offset2bag, bag_size, max_indices = func(weight, index, starts, **opts)
     output = output.unflatten(0, (size, bags))
+    shift = _arange(size, 1, output.device)
     offset2bag_dim = None
     if offset2bag.numel():  # each example's bags counted from 0
         offset2bag, offset2bag_dim = offset2bag.view(size, length) - shift * bags, 0
@@ -568,7 +566,72 @@ def embedding_bag(func, args, dims, kwargs):
         return (output, offset2bag, zeros, zeros.clone()), (0, offset2bag_dim, None, None)
     bag_size = bag_size.unflatten(0, (size, bags))
     max_indices = max_indices.unflatten(0, (size, bags))
-    if mode == 2 and dims[0] is not None:  # back to each example's rows (empty bags: 0)
+    if mode == 2 and rows:  # back to each example's rows (empty bags: 0)
         max_indices = torch.where(bag_size.unsqueeze(-1) > 0,
                                   max_indices - shift.unsqueeze(-1) * rows, max_indices)
     return (output, offset2bag, bag_size, max_indices), (0, offset2bag_dim, 0, 0)
+
+
+def _flat_bags(size, bags, indices, offsets, dims, rows, padding_idx):
+    """Every example's bags as one list: indices (offset by ``b * rows`` when ``rows``,
+    padding kept) and offsets, flattened. ``offsets`` may hold a last offset per example
+    (include_last_offset), which the next example's start then replaces."""
+    index = materialize(indices, dims[0], size)
+    shift = _arange(size, 1, index.device)
+    if rows:
+        shifted = index + shift * rows
+        index = shifted if padding_idx < 0 else torch.where(index == padding_idx, index, shifted)
+    starts = materialize(offsets, dims[1], size) + shift * index.shape[1]
+    if starts.shape[1] == bags + 1:
+        starts = torch.cat([starts[:, :-1].flatten(), starts[-1, -1:]])
+    return index.flatten(), starts.flatten()
+
+
+@register(aten._embedding_bag_backward.default)
+def embedding_bag_backward(func, args, dims, kwargs):
+    """The weight gradient of every example at once: its bags' indices offset into its
+    own block of ``num_weights`` rows of one ``[B * num_weights, D]`` gradient."""
+    (grad, indices, offsets, offset2bag, bag_size, max_indices, rows, scale, mode, sparse,
+     per_sample_weights, *rest) = args
+    padding_idx = rest[0] if rest else kwargs.get("padding_idx", -1)
+    size = batch_size(args, dims)
+    if sparse:
+        return loop_rule(func, args, dims, kwargs)
+    grad = materialize(grad, dims[0], size)
+    bags = grad.shape[1]
+    index, starts = _flat_bags(size, bags, indices, offsets, dims[1:3], rows, padding_idx)
+    shift = _arange(size, 1, grad.device)
+    if offset2bag.numel():
+        offset2bag = (materialize(offset2bag, dims[3], size) + shift * bags).flatten()
+    bag_size = materialize(bag_size, dims[4], size)
+    max_indices = materialize(max_indices, dims[5], size)
+    if mode == 2:  # rows of each example's block (empty bags keep 0)
+        max_indices = torch.where(bag_size.unsqueeze(-1) > 0,
+                                  max_indices + shift.unsqueeze(-1) * rows, max_indices)
+    if per_sample_weights is not None:
+        per_sample_weights = materialize(per_sample_weights, dims[10], size).flatten()
+    out = func(grad.flatten(0, 1), index, starts, offset2bag, bag_size.flatten(),
+               max_indices.flatten(0, 1), size * rows, scale, mode, sparse, per_sample_weights,
+               padding_idx)
+    return out.unflatten(0, (size, rows)), 0
+
+
+@register(aten._embedding_bag_per_sample_weights_backward.default)
+def embedding_bag_per_sample_weights_backward(func, args, dims, kwargs):
+    """The per-sample weights' gradient, every example's bags as one list."""
+    grad, weight, indices, offsets, offset2bag, mode, *rest = args
+    padding_idx = rest[0] if rest else kwargs.get("padding_idx", -1)
+    size = batch_size(args, dims)
+    grad = materialize(grad, dims[0], size)
+    bags = grad.shape[1]
+    rows = 0
+    if dims[1] is not None:
+        weight = to_front(weight, dims[1])
+        rows = weight.shape[1]
+        weight = weight.flatten(0, 1)
+    index, starts = _flat_bags(size, bags, indices, offsets, dims[2:4], rows, padding_idx)
+    if offset2bag.numel():
+        shift = _arange(size, 1, grad.device)
+        offset2bag = (materialize(offset2bag, dims[4], size) + shift * bags).flatten()
+    out = func(grad.flatten(0, 1), weight, index, starts, offset2bag, mode, padding_idx)
+    return out.unflatten(0, (size, -1)), 0
