@@ -248,3 +248,11 @@ def test_data_dependent_output_shape_errors_clearly():
         warnings.simplefilter("ignore")  # the slow-loop warning
         with pytest.raises(RuntimeError, match="depends on the data"):
             vmap(torch.unique_consecutive)(torch.tensor([[1, 1, 2], [1, 2, 3]]))
+
+
+def test_the_demos_slow_loop_example_still_has_no_rule():
+    # torchlevels/demo.py shows the slow loop with torch.histc: give histc a rule, and
+    # the demo needs another example
+    from torchlevels.batching.registry import How, resolve
+
+    assert resolve(torch.ops.aten.histc.default).how is How.LOOP
