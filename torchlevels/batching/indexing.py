@@ -543,11 +543,7 @@ def embedding_bag(func, args, dims, kwargs):
                 output.dim() - 2, None, None, output.dim() - 2)
         return (output, offset2bag, bag_size, max_indices), (output.dim() - 2, None, None, None)
     size = batch_size(args, dims)
-    rows = 0
-    if dims[0] is not None:  # [B * V, D], and each example's indices into its own rows
-        weight = to_front(weight, dims[0])
-        rows = weight.shape[1]
-        weight = weight.flatten(0, 1)
+    weight, rows = _flat_weight(weight, dims[0])  # each example's indices into its rows
     length = logical_shape(indices, dims[1])[0]
     bags = logical_shape(offsets, dims[2])[0] - opts["include_last_offset"]
     index, starts = _flat_bags(size, bags, indices, offsets, dims[1:3], rows, padding_idx)
@@ -587,6 +583,23 @@ def _flat_bags(size, bags, indices, offsets, dims, rows, padding_idx):
     return index.flatten(), starts.flatten()
 
 
+def _flat_weight(weight, bdim):
+    """A batched table as ``[B * V, D]`` and its ``V``; an unbatched one as is, and 0."""
+    if bdim is None:
+        return weight, 0
+    weight = to_front(weight, bdim)
+    return weight.flatten(0, 1), weight.shape[1]
+
+
+def _flat_offset2bag(offset2bag, bdim, size, bags):
+    """Each example's offset2bag counted on from the previous example's bags, flattened
+    (left empty when the kernel left it empty: it recomputes it)."""
+    if not offset2bag.numel():
+        return offset2bag
+    return (materialize(offset2bag, bdim, size) + _arange(size, 1, offset2bag.device) * bags
+            ).flatten()
+
+
 @register(aten._embedding_bag_backward.default)
 def embedding_bag_backward(func, args, dims, kwargs):
     """The weight gradient of every example at once: its bags' indices offset into its
@@ -600,14 +613,13 @@ def embedding_bag_backward(func, args, dims, kwargs):
     grad = materialize(grad, dims[0], size)
     bags = grad.shape[1]
     index, starts = _flat_bags(size, bags, indices, offsets, dims[1:3], rows, padding_idx)
-    shift = _arange(size, 1, grad.device)
-    if offset2bag.numel():
-        offset2bag = (materialize(offset2bag, dims[3], size) + shift * bags).flatten()
+    offset2bag = _flat_offset2bag(offset2bag, dims[3], size, bags)
     bag_size = materialize(bag_size, dims[4], size)
     max_indices = materialize(max_indices, dims[5], size)
     if mode == 2:  # rows of each example's block (empty bags keep 0)
-        max_indices = torch.where(bag_size.unsqueeze(-1) > 0,
-                                  max_indices + shift.unsqueeze(-1) * rows, max_indices)
+        shift = _arange(size, 2, grad.device)
+        max_indices = torch.where(bag_size.unsqueeze(-1) > 0, max_indices + shift * rows,
+                                  max_indices)
     if per_sample_weights is not None:
         per_sample_weights = materialize(per_sample_weights, dims[10], size).flatten()
     out = func(grad.flatten(0, 1), index, starts, offset2bag, bag_size.flatten(),
@@ -624,14 +636,8 @@ def embedding_bag_per_sample_weights_backward(func, args, dims, kwargs):
     size = batch_size(args, dims)
     grad = materialize(grad, dims[0], size)
     bags = grad.shape[1]
-    rows = 0
-    if dims[1] is not None:
-        weight = to_front(weight, dims[1])
-        rows = weight.shape[1]
-        weight = weight.flatten(0, 1)
+    weight, rows = _flat_weight(weight, dims[1])
     index, starts = _flat_bags(size, bags, indices, offsets, dims[2:4], rows, padding_idx)
-    if offset2bag.numel():
-        shift = _arange(size, 1, grad.device)
-        offset2bag = (materialize(offset2bag, dims[4], size) + shift * bags).flatten()
+    offset2bag = _flat_offset2bag(offset2bag, dims[4], size, bags)
     out = func(grad.flatten(0, 1), weight, index, starts, offset2bag, mode, padding_idx)
     return out.unflatten(0, (size, -1)), 0

@@ -38,17 +38,19 @@ def fold(x: torch.Tensor, bdim: int | None, size: int, full_rank: int):
 
 
 def unfold(out, lead):
-    """Undo :func:`fold` on one output or a tuple of them; batch dims are all 0."""
+    """Undo :func:`fold` on one output or a tuple of them (absent ones, from an output
+    mask, stay None); batch dims are 0."""
     if isinstance(out, torch.Tensor):
         return (out.unflatten(0, lead) if len(lead) == 2 else out), 0
-    outs = tuple(o.unflatten(0, lead) if len(lead) == 2 else o for o in out)
-    return outs, tuple(0 for _ in outs)
+    outs = tuple(o.unflatten(0, lead) if o is not None and len(lead) == 2 else o for o in out)
+    return outs, tuple(None if o is None else 0 for o in outs)
 
 
 def spatial_rule(k: int):
     """A rule for an op on ``[N, C, *k spatial]`` tensors whose N examples are independent.
 
-    Every tensor argument is folded into N; the op's other arguments pass through.
+    Every tensor argument (an N-first tensor of the same rank, like grid_sampler's grid,
+    too) is folded into N; the op's other arguments pass through.
     """
 
     def rule(func, args, dims, kwargs):
@@ -75,13 +77,15 @@ for _k, _ops in {
     2: ["max_pool2d", "max_pool2d_with_indices", "avg_pool2d", "_adaptive_avg_pool2d",
         "adaptive_max_pool2d", "reflection_pad2d", "replication_pad2d", "upsample_nearest2d",
         "_upsample_nearest_exact2d", "upsample_bilinear2d", "_upsample_bilinear2d_aa",
-        "upsample_bicubic2d", "_upsample_bicubic2d_aa", "im2col",
+        "upsample_bicubic2d", "_upsample_bicubic2d_aa", "im2col", "grid_sampler_2d",
+        "grid_sampler_2d_backward",
         "max_pool2d_with_indices_backward", "avg_pool2d_backward",
         "_adaptive_avg_pool2d_backward", "adaptive_max_pool2d_backward",
         "reflection_pad2d_backward", "replication_pad2d_backward"],
     3: ["max_pool3d", "max_pool3d_with_indices", "avg_pool3d", "_adaptive_avg_pool3d",
         "adaptive_max_pool3d", "reflection_pad3d", "replication_pad3d", "upsample_nearest3d",
-        "_upsample_nearest_exact3d", "upsample_trilinear3d",
+        "_upsample_nearest_exact3d", "upsample_trilinear3d", "grid_sampler_3d",
+        "grid_sampler_3d_backward",
         "max_pool3d_with_indices_backward", "avg_pool3d_backward",
         "_adaptive_avg_pool3d_backward", "adaptive_max_pool3d_backward",
         "reflection_pad3d_backward", "replication_pad3d_backward"],
@@ -122,28 +126,6 @@ def pixel_shuffle(func, args, dims, kwargs):
 def constant_pad_nd(func, args, dims, kwargs):
     """Pads only trailing dims, so a leading batch dim is left alone."""
     return func(to_front(args[0], dims[0]), *args[1:], **kwargs), 0
-
-
-@register(aten.grid_sampler_2d.default, aten.grid_sampler_3d.default)
-def grid_sampler(func, args, dims, kwargs):
-    """Input ``[N, C, *spatial]`` and grid ``[N, *out, k]`` pair up by N: fold the batch
-    into N of both."""
-    x, grid, *rest = args
-    size = batch_size(args, dims)
-    out = func(materialize(x, dims[0], size).flatten(0, 1),
-               materialize(grid, dims[1], size).flatten(0, 1), *rest, **kwargs)
-    return out.unflatten(0, (size, -1)), 0
-
-
-@register(aten.grid_sampler_2d_backward.default, aten.grid_sampler_3d_backward.default)
-def grid_sampler_backward(func, args, dims, kwargs):
-    """As the forward: the gradient, input and grid fold the batch into N."""
-    go, x, grid, *rest = args
-    size = batch_size(args, dims)
-    folded = (materialize(t, d, size).flatten(0, 1) for t, d in zip((go, x, grid), dims))
-    outs = tuple(None if o is None else o.unflatten(0, (size, -1))
-                 for o in func(*folded, *rest, **kwargs))
-    return outs, tuple(None if o is None else 0 for o in outs)
 
 
 # -- convolution --------------------------------------------------------------------------
