@@ -20,16 +20,24 @@ def has_same_storage_numel(func, args, dims, kwargs):
 
 
 def example_storage_numel(t: torch.Tensor, bdim: int | None) -> int | None:
-    """The storage size one example of ``t`` sees, or None when examples share no layout.
+    """The storage size one example of ``t`` sees, or None when it has none.
 
     A batched tensor whose batch dim is outermost in its storage gives each example a
-    slab of ``stride(bdim)`` elements; wrappers of other levels see their inner storage.
+    slab of ``stride(bdim)`` elements. Examples interleaved in storage (a batch dim that is
+    not outermost, say ``in_dims=1``) each see the span their own layout reaches, as the
+    example's wrapper reports it, so a tangent laid out like its primal compares equal.
+    Wrappers of other levels see their inner storage.
     """
     n = _storage_numel(t)
     if bdim is None or n is None:
         return n
     size, stride = t.shape[bdim], t.stride(bdim)
-    return stride if size > 0 and stride * size == n else None
+    if size > 0 and stride * size == n:
+        return stride
+    sizes, strides = t.shape[:bdim] + t.shape[bdim + 1:], t.stride()[:bdim] + t.stride()[bdim + 1:]
+    if not all(sizes):
+        return t.storage_offset()
+    return t.storage_offset() + 1 + sum((k - 1) * s for k, s in zip(sizes, strides))
 
 
 def _storage_numel(t: torch.Tensor) -> int | None:
