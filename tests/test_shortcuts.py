@@ -228,6 +228,25 @@ def test_a_users_rule_for_an_aten_op_switches_the_shortcuts_off():
     assert SHORTCUTS
 
 
+def test_a_users_rule_for_an_op_packet_switches_the_shortcuts_off():
+    seen = []
+
+    def cos_rule(func, args, dims, kwargs):
+        seen.append(func)
+        return pointwise_rule(func, args, dims, kwargs)
+
+    try:
+        torchlevels.register_batching_rule(torch.ops.aten.cos)(cos_rule)
+        assert not SHORTCUTS
+        assert_close(vmap(torch.cos)(x4), torch.cos(x4))
+        assert seen == [torch.ops.aten.cos.default]
+    finally:
+        registry._own.pop(torch.ops.aten.cos)
+        registry.resolved_by_id.clear()
+        shortcuts.switch_on()
+    assert SHORTCUTS
+
+
 def test_only_vmap_levels_have_shortcuts():
     with torchlevels.vmap() as B:
         assert B.__torch_function__.__func__.__module__ == "torchlevels.batching.shortcuts"

@@ -74,11 +74,17 @@ def register(
         for op in ops:
             _own[op] = (rule, takes_level)
         resolved_by_id.clear()
-        if _builtins_loaded and any(op.namespace == "aten" for op in ops):
+        if _builtins_loaded and any(_namespace(op) == "aten" for op in ops):
             shortcuts.switch_off()  # the user's rule must see every call of the op
         return rule
 
     return deco
+
+
+def _namespace(op: OpOverload | OpOverloadPacket) -> str:
+    """``"aten"`` for ``aten.sin`` and ``aten.sin.default`` alike."""
+    name = op.name() if isinstance(op, OpOverload) else op._qualified_op_name
+    return name.split("::")[0]
 
 
 def register_family(name: str, applies: Callable[[OpOverload], bool], rule: Rule) -> None:
