@@ -1,7 +1,38 @@
-"""Shared pytest setup for the tests/ suite."""
+"""Shared pytest setup for the tests/ suite.
+
+``TORCHLEVELS_TEST_DEVICE=cuda`` runs the whole suite with that device as torch's default
+(``torch.set_default_device``), so every tensor a test makes without naming a device is
+made there: the way to run the suite on a GPU machine. TF32 is then turned off, so
+results are compared in full float32 precision as on the CPU. A test marked
+``@pytest.mark.cpu_only("why")`` is skipped on any other device.
+"""
+
+import os
 
 import pytest
+import torch
 from vmap_reference import fresh_start
+
+_DEVICE = os.environ.get("TORCHLEVELS_TEST_DEVICE")
+if _DEVICE:
+    torch.set_default_device(_DEVICE)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "cpu_only(why): the test's expectations hold on the CPU only; skipped "
+        "when TORCHLEVELS_TEST_DEVICE names another device")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.get_default_device().type == "cpu":
+        return
+    for item in items:
+        marker = item.get_closest_marker("cpu_only")
+        if marker:
+            item.add_marker(pytest.mark.skip(reason=f"CPU only: {marker.args[0]}"))
 
 
 @pytest.fixture(autouse=True)

@@ -124,7 +124,7 @@ def cases(op, max_samples: int, scan: int | None = None, small: bool = False) ->
     seed gives different outputs.
     """
     torch.manual_seed(0)
-    raw = op.sample_inputs("cpu", torch.float64, requires_grad=True)
+    raw = op.sample_inputs(torch.get_default_device(), torch.float64, requires_grad=True)
     found: list[Case] = []
     fallback: list[tuple[int, Any]] = []  # (input elements, sample index) of big samples
     samples = list(itertools.islice(raw, scan or max_samples))
@@ -170,7 +170,7 @@ def _case(op, index: int, sample, limits: tuple[int, int] | bool) -> Case | int 
         raise _Nondeterministic
     if limits and sum(first[i].numel() for i in outputs) > limits[1]:
         return n_in
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(torch.get_default_device()).manual_seed(seed)
     weights = [torch.randn(first[i].shape, dtype=first[i].dtype, generator=gen)
                for i in outputs]
     tangents = [torch.randn(x.shape, dtype=x.dtype, generator=gen) for x in inputs]
@@ -339,7 +339,7 @@ def unsupported(op, transform: str) -> str:
     """Why ``transform`` is not checked on ``op`` ('' when it is)."""
     if not op.supports_autograd:
         return "op does not support autograd"
-    if torch.float64 not in op.supported_backward_dtypes("cpu"):
+    if torch.float64 not in op.supported_backward_dtypes(torch.get_default_device().type):
         return "no float64 backward on CPU"
     if transform in ("jvp", "jacfwd", "hessian") and not op.supports_forward_ad:
         return "op does not support forward AD"

@@ -87,7 +87,7 @@ class Sample:
 def samples(op) -> Iterator[Sample]:
     """The op's first float32 CPU samples, each with ``BATCH`` examples per tensor."""
     torch.manual_seed(0)
-    raw = op.sample_inputs("cpu", torch.float32, requires_grad=False)
+    raw = op.sample_inputs(torch.get_default_device(), torch.float32, requires_grad=False)
     for s in itertools.islice(raw, MAX_SAMPLES):
         args = (s.input, *s.args)
         flat, spec = tree_flatten(args)
@@ -209,7 +209,7 @@ def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 
 
 def _run_op(op, vmap_impl: Callable) -> Outcome:
-    if torch.float32 not in op.supported_dtypes("cpu"):
+    if torch.float32 not in op.supported_dtypes(torch.get_default_device().type):
         return Outcome("skip", "no float32 support on CPU")
     if "empty" in op.name:
         return Outcome("skip", "nondeterministic: returns uninitialized memory")

@@ -75,7 +75,7 @@ def embedding_bag(ids, W, reduce="sum"):
 
 @pytest.mark.parametrize("reduce", ["sum", "mean"])
 def test_an_embedding_lookup_summed_over_the_ids_is_one_embedding_bag(reduce):
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator(torch.get_default_device()).manual_seed(0)
     W, ids = torch.randn(50, 8, generator=g), torch.randint(0, 50, (6, 5), generator=g)
     with Recorder() as rec:
         out = embedding_bag(ids, W, reduce)
@@ -86,7 +86,7 @@ def test_an_embedding_lookup_summed_over_the_ids_is_one_embedding_bag(reduce):
 
 
 def test_a_lookup_read_as_a_tensor_or_differentiated_is_the_gather():
-    g = torch.Generator().manual_seed(1)
+    g = torch.Generator(torch.get_default_device()).manual_seed(1)
     W, ids = torch.randn(50, 8, generator=g), torch.randint(0, 50, (6, 5), generator=g)
     b, s, f = dims(3)
     looked_up = W[ids[b, s], f]

@@ -18,7 +18,7 @@ SEED = 20240611
 
 
 def _gen():
-    return torch.Generator().manual_seed(SEED)
+    return torch.Generator(torch.get_default_device()).manual_seed(SEED)
 
 
 def _rand(g, *shape):

@@ -68,6 +68,7 @@ def test_escaped_quantized_weight_is_an_error():
         qw @ torch.randn(3)
 
 
+@pytest.mark.cpu_only("the doctest prints CPU tensors")
 def test_docstring():
     result = doctest.testmod(int8_weights)
     assert result.failed == 0 and result.attempted > 0

@@ -18,6 +18,9 @@ from torch.testing._internal.common_methods_invocations import op_db
 
 import torchlevels
 
+# The expected failures below were found on the CPU (scripts/opinfo_*sweep.py), where CI runs.
+pytestmark = pytest.mark.cpu_only("the OpInfo expected-failure lists were made on the CPU")
+
 TIMEOUT = 60.0
 POPULAR = 100
 

@@ -113,7 +113,7 @@ class Program:
     seed: int
 
     def build(self) -> Callable:
-        gen = torch.Generator().manual_seed(self.seed)
+        gen = torch.Generator(torch.get_default_device()).manual_seed(self.seed)
         steps = [op.build(self.shape, gen) for op in self.ops]
         final = FINAL[self.final]
 
@@ -223,7 +223,8 @@ def assume_sane(expected: torch.Tensor) -> None:
 def cases(draw):
     program = draw(programs())
     chain, shape = draw(chains(program.shape))
-    x = torch.randn(shape, dtype=DTYPE, generator=torch.Generator().manual_seed(program.seed))
+    gen = torch.Generator(torch.get_default_device()).manual_seed(program.seed)
+    x = torch.randn(shape, dtype=DTYPE, generator=gen)
     return program, chain, x * 0.8
 
 
@@ -248,7 +249,7 @@ def test_vmap_of_transform_with_unbatched_argument(program, data):
     dx = data.draw(st.integers(-rank, rank - 1))
     dy = data.draw(st.one_of(st.none(), st.integers(-rank, rank - 1)))
     size = data.draw(st.integers(1, 3))
-    gen = torch.Generator().manual_seed(program.seed)
+    gen = torch.Generator(torch.get_default_device()).manual_seed(program.seed)
 
     def batched(d):
         shape = list(program.shape)

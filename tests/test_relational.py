@@ -369,7 +369,7 @@ def test_grouping_filtered_rows_leaves_the_others_out(con, people):
 def test_compiled_reductions_match_eager(monkeypatch):
     from torchlevels.relational import _fuse
 
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator(torch.get_default_device()).manual_seed(0)
     t = Table({"k": torch.randint(0, 5, (1000,), generator=gen),
                "x": torch.randn(1000, generator=gen), "i": torch.randint(-9, 9, (1000,),
                                                                           generator=gen)})
@@ -410,7 +410,7 @@ import resource, sys, torch
 from torchlevels.dim import dims
 from torchlevels.relational import Table, cat, where
 n, m = 2_000_000, 200_000
-gen = torch.Generator().manual_seed(0)
+gen = torch.Generator(torch.get_default_device()).manual_seed(0)
 orders = Table({"cust": torch.randint(0, m, (n,), generator=gen), "x": torch.rand(n)})
 customers = Table({"id": torch.randperm(m, generator=gen), "y": torch.rand(m)})
 inputs = sum(c.values.nbytes for t in (orders, customers) for c in t.columns.values())
@@ -457,7 +457,7 @@ def test_joins_from_several_threads_at_once():
     """Joins probing one key column share its position table: one at a time."""
     from concurrent.futures import ThreadPoolExecutor
 
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator(torch.get_default_device()).manual_seed(0)
     big = Table({"k": torch.randint(0, 5000, (200_000,), generator=gen)})
     smalls = [Table({"j": torch.randperm(5000, generator=gen)[:n]}) for n in range(50, 450, 50)]
 
@@ -476,7 +476,7 @@ def test_one_compiled_kernel_serves_every_parameter_value(monkeypatch):
     from torchlevels.relational import _fuse
 
     monkeypatch.setattr(_fuse, "FUSE_MIN_ROWS", 0)
-    gen = torch.Generator().manual_seed(1)
+    gen = torch.Generator(torch.get_default_device()).manual_seed(1)
     t = Table({"x": torch.rand(500, generator=gen, dtype=torch.float64),
                "d": torch.randint(0, 100, (500,), generator=gen)})
 

@@ -397,6 +397,12 @@ def test_put(accumulate):
         check(lambda x, i, s: x.put(i, s, accumulate=accumulate), args, dims)
 
 
+_DEVICE_ASSERT = pytest.mark.cpu_only(
+    "an out-of-range index is a device-side assert on CUDA, which ends the process's CUDA "
+    "context")
+
+
+@_DEVICE_ASSERT
 def test_put_out_of_range_raises_for_its_own_example():
     # an index past one example's end must not land in the next example
     x, i = torch.randn(B, 4), torch.tensor([[0], [4], [1]])
@@ -404,6 +410,7 @@ def test_put_out_of_range_raises_for_its_own_example():
         run_ours(lambda x, i: x.put(i, torch.ones(1)), [x, i], (0, 0))
 
 
+@_DEVICE_ASSERT
 def test_take_out_of_range_raises():
     x, i = torch.randn(B, 4), torch.tensor([[0], [1], [4]])
     with pytest.raises((RuntimeError, IndexError)):
@@ -615,8 +622,11 @@ def test_embedding_bag(mode, include_last_offset, padding_idx):
             # bag sizes and max indices per example, and offset2bag unless the kernel left
             # it empty (as it does for some weight layouts; the backward then recomputes
             # it). The forward-only kernel's other outputs vary with the weight's layout.
+            # Kernels that give one entry per offset leave the last offset's unset
+            # (uninitialized on CUDA): only the bags' entries are compared.
             if op is aten._embedding_bag.default:
-                assert_close(ours[2:], loop[2:])
+                assert [t.shape for t in ours[2:]] == [t.shape for t in loop[2:]]
+                assert_close([t[:, :4] for t in ours[2:]], [t[:, :4] for t in loop[2:]])
                 if ours[1].numel() and loop[1].numel():
                     assert_close(ours[1], loop[1])
 

@@ -74,6 +74,7 @@ def test_vdot_conjugates_complex(dims):
 
 
 @pytest.mark.parametrize("op", [torch.mm, torch.matmul])
+@pytest.mark.cpu_only("CUDA has no integer matmul kernels")
 def test_integer_matmul(op):
     a = torch.randint(-5, 5, (B, 3, 4))
     w = torch.randint(-5, 5, (4, 2))

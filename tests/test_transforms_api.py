@@ -56,12 +56,12 @@ def assert_same_error(make_call, match=None):
 
 # -- inputs shared by many tests ------------------------------------------------------
 
-X = torch.randn(3, generator=torch.Generator().manual_seed(1))
-Y = torch.randn(3, generator=torch.Generator().manual_seed(2))
-M = torch.randn(2, 3, generator=torch.Generator().manual_seed(3))
+X = torch.randn(3, generator=torch.Generator(torch.get_default_device()).manual_seed(1))
+Y = torch.randn(3, generator=torch.Generator(torch.get_default_device()).manual_seed(2))
+M = torch.randn(2, 3, generator=torch.Generator(torch.get_default_device()).manual_seed(3))
 PARAMS = {
-    "w": torch.randn(3, 3, generator=torch.Generator().manual_seed(4)),
-    "b": torch.randn(3, generator=torch.Generator().manual_seed(5)),
+    "w": torch.randn(3, 3, generator=torch.Generator(torch.get_default_device()).manual_seed(4)),
+    "b": torch.randn(3, generator=torch.Generator(torch.get_default_device()).manual_seed(5)),
 }
 
 
@@ -877,7 +877,7 @@ def test_conjugate_views_inside_grad_match_torch_func():
 def test_embedding_bag_under_grad_takes_its_differentiable_kernel(mode):
     # the composite picks a kernel with no derivative when the weight does not require
     # grad, as a grad level's wrapper does not: the level swaps in the one with it
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator(torch.get_default_device()).manual_seed(0)
     w = torch.randn(10, 3, dtype=torch.float64, generator=g)
     ws = torch.randn(4, 10, 3, dtype=torch.float64, generator=g)
     psw = torch.rand(8, dtype=torch.float64, generator=g)

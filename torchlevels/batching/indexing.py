@@ -556,16 +556,26 @@ def embedding_bag(func, args, dims, kwargs):
     offset2bag_dim = None
     if offset2bag.numel():  # each example's bags counted from 0
         offset2bag, offset2bag_dim = offset2bag.view(size, length) - shift * bags, 0
-    if bag_size.numel() != size * bags:
-        # the forward-only kernel in sum mode leaves these zero, one per offset given
-        zeros = bag_size.new_zeros(bags + opts["include_last_offset"])
-        return (output, offset2bag, zeros, zeros.clone()), (0, offset2bag_dim, None, None)
-    bag_size = bag_size.unflatten(0, (size, bags))
-    max_indices = max_indices.unflatten(0, (size, bags))
+    bag_size = _per_example_bags(bag_size, size, bags)
+    if not max_indices.numel():  # CUDA leaves it empty but in max mode
+        return (output, offset2bag, bag_size, max_indices), (0, offset2bag_dim, 0, None)
+    max_indices = _per_example_bags(max_indices, size, bags)
     if mode == 2 and rows:  # back to each example's rows (empty bags: 0)
-        max_indices = torch.where(bag_size.unsqueeze(-1) > 0,
+        max_indices = torch.where(bag_size[:, :bags].unsqueeze(-1) > 0,
                                   max_indices - shift.unsqueeze(-1) * rows, max_indices)
     return (output, offset2bag, bag_size, max_indices), (0, offset2bag_dim, 0, 0)
+
+
+def _per_example_bags(t, size, bags):
+    """A per-bag output of one embedding_bag call over every example's bags, as
+    ``[B, bags, ...]``. Some kernels give one entry per offset instead (CUDA's bag sizes,
+    the CPU forward-only kernel in sum mode), so with include_last_offset one more, which
+    they leave unset: each example then gets one more entry, zero."""
+    extra = t.shape[0] - size * bags
+    per_example = t[: size * bags].unflatten(0, (size, bags))
+    if not extra:
+        return per_example
+    return torch.cat([per_example, per_example.new_zeros(size, extra, *t.shape[1:])], 1)
 
 
 def _flat_bags(size, bags, indices, offsets, dims, rows, padding_idx):
@@ -614,7 +624,7 @@ def embedding_bag_backward(func, args, dims, kwargs):
     bags = grad.shape[1]
     index, starts = _flat_bags(size, bags, indices, offsets, dims[1:3], rows, padding_idx)
     offset2bag = _flat_offset2bag(offset2bag, dims[3], size, bags)
-    bag_size = materialize(bag_size, dims[4], size)
+    bag_size = materialize(bag_size, dims[4], size)[:, :bags]  # see _per_example_bags
     max_indices = materialize(max_indices, dims[5], size)
     if mode == 2:  # rows of each example's block (empty bags keep 0)
         shift = _arange(size, 2, grad.device)

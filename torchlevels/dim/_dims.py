@@ -78,7 +78,7 @@ class Dim(_Tensor):
 
     @property
     def _tensor(self) -> torch.Tensor:
-        return self.range(torch.device("cpu"))
+        return self.range(torch.get_default_device())
 
     def range(self, device: torch.device) -> torch.Tensor:
         """``arange(size)`` on ``device``, made once per device."""

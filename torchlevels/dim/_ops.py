@@ -140,9 +140,10 @@ def union(objs) -> tuple[tuple[Dim, ...], int, torch.device | None]:
 
 
 def storage(x: _Tensor, device: torch.device | None) -> torch.Tensor:
-    """The tensor behind ``x`` (a dim's index range is made on ``device``)."""
+    """The tensor behind ``x`` (a dim's index range is made on ``device``, else on torch's
+    default device)."""
     if type(x) is Dim:
-        return x.range(device or torch.device("cpu"))
+        return x.range(device or torch.get_default_device())
     return x._tensor
 
 

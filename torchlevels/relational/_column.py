@@ -638,7 +638,10 @@ def _compare_const(col: Column, value, op, symbol, flip, name) -> Column:
     if col.valid is None and not col._is_scalar():
         return col._lazy(Expr(op, (c, col.data) if flip else (col.data, c)), "bool", name)
     fn = OPS[op]
-    values = fn(torch.as_tensor(c), col.values) if flip else fn(col.values, c)
+    if flip:
+        values = fn(torch.as_tensor(c, device=col.values.device), col.values)
+    else:
+        values = fn(col.values, c)
     return col._like(values, "bool", col.valid, name)
 
 
@@ -706,7 +709,7 @@ class Cross:
         for a in self.args:
             if isinstance(a, Column | Cross):
                 return a.data.device if isinstance(a, Column) else a.device
-        return torch.device("cpu")
+        return torch.get_default_device()
 
     def __repr__(self) -> str:
         return f"Cross({self.describe()})"

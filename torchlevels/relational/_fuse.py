@@ -78,13 +78,14 @@ def _flatten(node, tensors: list, seen: dict[int, int], leaf: str = "leaf"):
 
 def _lift(plan, tensors: list):
     """``plan`` with its number constants moved into ``tensors`` as 0-d inputs, so one
-    compiled kernel serves every value of a query's parameters (a date, a threshold)."""
+    compiled kernel serves every value of a query's parameters (a date, a threshold).
+    They are made on the device of the tensors the plan reads."""
     op = plan[0]
     if op == "const":
         value = plan[1]
         if isinstance(value, bool | int | float):
             dtype = _SCALAR_DTYPES[type(value)]
-            tensors.append(torch.tensor(value, dtype=dtype))
+            tensors.append(torch.tensor(value, dtype=dtype, device=tensors[0].device))
             return ("scalar", len(tensors) - 1)
         return plan
     if op in ("leaf", "table"):

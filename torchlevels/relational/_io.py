@@ -1,5 +1,8 @@
 """Columns from and to Arrow: the one place that knows Arrow's types.
 
+Columns read from Arrow (and so from Parquet, CSV, pandas and lists) are made on torch's
+default device.
+
 Integers stay integers (int64), decimals and floats become float64, dates are int32
 days since 1970-01-01, and strings are dictionary-encoded with a sorted dictionary.
 """
@@ -14,6 +17,12 @@ import torch
 from torchlevels.relational._column import Column
 
 
+def _tensor(array: np.ndarray) -> torch.Tensor:
+    """``array`` as a tensor on torch's default device (the CPU unless
+    ``torch.set_default_device`` named another)."""
+    return torch.from_numpy(array).to(torch.get_default_device())
+
+
 def column_from_arrow(arr: pa.Array | pa.ChunkedArray, name: str) -> Column:
     """One Arrow column as a :class:`Column` (nulls become a validity mask)."""
     if isinstance(arr, pa.ChunkedArray):
@@ -21,7 +30,7 @@ def column_from_arrow(arr: pa.Array | pa.ChunkedArray, name: str) -> Column:
     t = arr.type
     valid = None
     if arr.null_count:
-        valid = torch.from_numpy(arr.is_valid().to_numpy(zero_copy_only=False).copy())
+        valid = _tensor(arr.is_valid().to_numpy(zero_copy_only=False).copy())
     if pa.types.is_dictionary(t):
         arr = arr.dictionary_decode()
         t = arr.type
@@ -32,8 +41,8 @@ def column_from_arrow(arr: pa.Array | pa.ChunkedArray, name: str) -> Column:
         rank = np.empty_like(order)
         rank[order] = np.arange(len(order))
         codes = encoded.indices.fill_null(0).to_numpy(zero_copy_only=False)
-        values = torch.from_numpy(rank[codes].astype(np.int64)) if len(rank) else \
-            torch.zeros(len(arr), dtype=torch.int64)
+        codes = rank[codes] if len(rank) else np.zeros(len(arr), np.int64)
+        values = _tensor(codes.astype(np.int64))
         return Column(values, "str", valid=valid, dictionary=dictionary.take(order), name=name)
     if pa.types.is_date(t) or pa.types.is_timestamp(t):
         kind, arr = "date", arr.cast(pa.date32()).cast(pa.int32())
@@ -47,7 +56,7 @@ def column_from_arrow(arr: pa.Array | pa.ChunkedArray, name: str) -> Column:
         raise TypeError(f"column '{name}' has Arrow type {t}, which tables do not support: "
                         "use int, float, decimal, bool, date or string columns")
     filled = arr.fill_null(False if kind == "bool" else 0) if arr.null_count else arr
-    values = torch.from_numpy(filled.to_numpy(zero_copy_only=False).copy())
+    values = _tensor(filled.to_numpy(zero_copy_only=False).copy())
     return Column(values, kind, valid=valid, name=name)
 
 

@@ -139,7 +139,7 @@ class Table:
     def device(self) -> torch.device:
         """Where the columns live."""
         first = next(iter(self._columns.values()), None)
-        return first.data.device if first is not None else torch.device("cpu")
+        return first.data.device if first is not None else torch.get_default_device()
 
     def to(self, device: str | torch.device) -> Table:
         """The table with every column on ``device`` (e.g. ``"cuda"``).
