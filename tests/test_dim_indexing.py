@@ -245,3 +245,11 @@ def test_module_index_matches_functorch_dim():
     assert_close(torchlevels.dim.index(a[k], 1, j).order(k, j),
                  fdim.index(a[fi], 1, fj).order(fi, fj))
     assert issubclass(torchlevels.dim.DimensionMismatchError, Exception)
+
+
+def test_a_dim_used_as_a_tensor_is_made_on_the_default_device():
+    # as functorch.dim does: torch.set_default_device("cuda") puts a dim's range on the GPU
+    i = dims(sizes=[3])
+    with torch.device("meta"):
+        assert (i + 0)._tensor.device.type == "meta"
+    assert (i + 0)._tensor.device == torch.get_default_device()

@@ -493,3 +493,10 @@ def test_one_compiled_kernel_serves_every_parameter_value(monkeypatch):
         expected = (x[(d < threshold) & (x > 0.25)] * scale).sum().item()
         assert query(threshold, scale) == pytest.approx(expected, rel=1e-12)
     assert _fuse._compiled.cache_info().misses == compiled
+
+
+def test_tables_read_from_arrow_are_made_on_the_default_device():
+    with torch.device("meta"):
+        table = Table.from_arrow(PEOPLE)
+    assert table.device.type == "meta"
+    assert Table.from_arrow(PEOPLE).device == torch.get_default_device()
