@@ -15,32 +15,27 @@ aten = torch.ops.aten
 def has_same_storage_numel(func, args, dims, kwargs):
     """Compare the storage each example sees (see :func:`example_storage_numel`)."""
     (a, b), (da, db) = args, dims
-    na, nb = example_storage_numel(a, da), example_storage_numel(b, db)
-    return (na is not None and na == nb), None
+    return example_storage_numel(a, da) == example_storage_numel(b, db), None
 
 
-def example_storage_numel(t: torch.Tensor, bdim: int | None) -> int | None:
-    """The storage size one example of ``t`` sees, or None when it has none.
+def example_storage_numel(t: torch.Tensor, bdim: int | None) -> int:
+    """The storage size one example of ``t`` sees.
 
     A batched tensor whose batch dim is outermost in its storage gives each example a
     slab of ``stride(bdim)`` elements. Examples interleaved in storage (a batch dim that is
-    not outermost, say ``in_dims=1``) each see the span their own layout reaches, as the
-    example's wrapper reports it, so a tangent laid out like its primal compares equal.
-    Wrappers of other levels see their inner storage.
+    not outermost, say ``in_dims=1``) each see the whole storage: the one that
+    :func:`new_zeros_with_same_feature_meta` reads off an example, so a tangent forward AD
+    lays out like its primal compares equal to it. Wrappers of other levels see their inner
+    storage.
     """
     n = _storage_numel(t)
-    if bdim is None or n is None:
+    if bdim is None:
         return n
     size, stride = t.shape[bdim], t.stride(bdim)
-    if size > 0 and stride * size == n:
-        return stride
-    sizes, strides = t.shape[:bdim] + t.shape[bdim + 1:], t.stride()[:bdim] + t.stride()[bdim + 1:]
-    if not all(sizes):
-        return t.storage_offset()
-    return t.storage_offset() + 1 + sum((k - 1) * s for k, s in zip(sizes, strides))
+    return stride if size > 0 and stride * size == n else n
 
 
-def _storage_numel(t: torch.Tensor) -> int | None:
+def _storage_numel(t: torch.Tensor) -> int:
     if isinstance(t, LevelTensor):
         return example_storage_numel(t._inner, getattr(t, "_bdim", None))
     return t.untyped_storage().nbytes() // t.element_size()
