@@ -304,3 +304,22 @@ def test_forward_ad_of_views_under_vmap_over_any_dim(chain, in_dim, fname):
         return lib.vmap(compose(lib, chain, VIEWS[fname]), in_dims=in_dim)(x)
 
     torch.testing.assert_close(run(tl), run(ft))
+
+
+@pytest.mark.parametrize("in_dims", [(0, 1), (1, 0), (1, 1), (0, None)])
+@pytest.mark.parametrize("chain", [("jvp",), ("jacfwd",), ("jacrev",), ("jacfwd", "jacrev")],
+                         ids=str)
+def test_forward_ad_of_a_captured_batched_argument_under_vmap(chain, in_dims):
+    # the transform's input and a tensor it captures are batched over different dims, so
+    # tangents forward AD re-lays out meet primals of another layout (found by hypothesis)
+    x = torch.randn(3, N, dtype=DTYPE).movedim(0, in_dims[0]).contiguous()
+    y = torch.randn(3, N, dtype=DTYPE)
+    y = y if in_dims[1] is None else y.movedim(0, in_dims[1]).contiguous()
+
+    def run(lib):
+        def per_example(a, b):
+            return compose(lib, chain, lambda t: (t * b.cos()) @ W + (t * b).sum())(a)
+
+        return lib.vmap(per_example, in_dims=in_dims)(x, y)
+
+    torch.testing.assert_close(run(tl), run(ft))

@@ -46,9 +46,20 @@ def new_zeros_with_same_feature_meta(func, args, dims, kwargs):
     """Zeros with ``other``'s (logical) layout after ``self``'s batch dims, plus ours first."""
     self, other = args
     size = batch_size(args, dims)
-    sample = other if dims[1] is None else other.select(dims[1], 0)  # logical layout of other
+    sample = other if dims[1] is None else _example(other, dims[1])
     n = kwargs.get("self_num_batch_dims", 0)
     return func(materialize(self, dims[0], size), sample, self_num_batch_dims=n + 1), 0
+
+
+def _example(t: torch.Tensor, bdim: int) -> torch.Tensor:
+    """A tensor laid out as one example of ``t`` (sizes, strides, offset) whose storage is
+    the one that example sees (:func:`example_storage_numel`), for ops that read it."""
+    sizes, strides = t.shape[:bdim] + t.shape[bdim + 1:], t.stride()[:bdim] + t.stride()[bdim + 1:]
+    numel, offset = example_storage_numel(t, bdim), t.storage_offset()
+    reach = offset + 1 + sum((k - 1) * s for k, s in zip(sizes, strides)) if all(sizes) else 0
+    if isinstance(t, LevelTensor) or reach > numel:  # its storage is seen through its levels
+        return t.select(bdim, 0)
+    return t.new_empty(numel).as_strided(sizes, strides, offset)
 
 
 @register(aten._fw_primal)
