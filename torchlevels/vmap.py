@@ -148,11 +148,17 @@ def wrap_outputs(cls, func, inplace: bool, args, out, out_dims):
             return wrap_batched(cls, out, out_dims)
     if out_dims is None:
         return out
-    return type(out)(
-        o if d is None else (args[i] if _is_inplace_output(func, i, args, cls)
-                             else wrap_batched(cls, o, d))
-        for i, (o, d) in enumerate(zip(out, out_dims))
-    )
+    written = _written_arguments(func)
+    wrapped = []
+    for i, (o, d) in enumerate(zip(out, out_dims)):
+        k = written[i] if i < len(written) else None
+        if d is None:
+            wrapped.append(o)
+        elif k is not None and type(args[k]) is cls:  # a batched argument it wrote: as is
+            wrapped.append(args[k])
+        else:
+            wrapped.append(wrap_batched(cls, o, d))
+    return type(out)(wrapped)
 
 def _pointwise_fast_path(cls, func, args, kwargs):
     """The common pointwise case in one pass: all tensors ours, batch dim 0, equal rank."""
@@ -223,16 +229,19 @@ def _rewrap_inplace(self: torch.Tensor, inner: torch.Tensor, bdim: int) -> None:
                      inner.storage_offset())
 
 
-def _is_inplace_output(func, i, args, cls) -> bool:
-    """Whether output ``i`` of ``func`` is a batched argument it wrote (to return as is)."""
-    returns = func._schema.returns
-    ret = returns[i].alias_info if i < len(returns) else None
-    if not (ret and ret.is_write):
-        return False
-    for a, arg in zip(func._schema.arguments, args):
-        if a.alias_info is not None and a.alias_info.before_set == ret.before_set:
-            return type(arg) is cls
-    return False
+@functools.cache
+def _written_arguments(func) -> tuple[int | None, ...]:
+    """For each output of ``func``: the position of the argument it writes and returns
+    (an in-place or out= op's), else None."""
+    schema = func._schema
+    written = []
+    for ret in schema.returns:
+        alias = ret.alias_info
+        written.append(next(
+            (k for k, a in enumerate(schema.arguments) if alias is not None and alias.is_write
+             and a.alias_info is not None and a.alias_info.before_set == alias.before_set),
+            None))
+    return tuple(written)
 
 
 # -- the public API -----------------------------------------------------------------------

@@ -211,11 +211,16 @@ def convolution_backward(func, args, dims, kwargs):
 def _grouped_backward(func, args, dims, size, has_n, mask):
     """convolution_backward with the batch as groups: every gradient comes out per example."""
     go, x, w, bias_sizes, stride, padding, dilation, transposed, output_padding, groups, _ = args
-    go, x, w = (materialize(t, d, size) for t, d in zip(args[:3], dims[:3]))
+    go, x = (materialize(t, d, size) for t, d in zip(args[:2], dims[:2]))
+    if dims[2] is None and not mask[0] and not w.requires_grad:
+        # the weight gradient reads only the weight's shape: no copy per example
+        w = w.new_empty((size * w.shape[0], *w.shape[1:]))
+    else:
+        w = materialize(w, dims[2], size).flatten(0, 1)
     if not has_n:
         go, x = go.unsqueeze(1), x.unsqueeze(1)
     gi, gw, gb = func(go.transpose(0, 1).flatten(1, 2), x.transpose(0, 1).flatten(1, 2),
-                      w.flatten(0, 1), None if bias_sizes is None else [size * bias_sizes[0]],
+                      w, None if bias_sizes is None else [size * bias_sizes[0]],
                       stride, padding, dilation, transposed, output_padding, groups * size, mask)
     if gi is not None:
         gi = gi.unflatten(1, (size, -1)) if has_n else gi.squeeze(0)
