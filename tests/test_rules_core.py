@@ -233,3 +233,21 @@ def test_fft_and_complex_views(name):
          "view_as_real": lambda v: torch.view_as_real(torch.fft.fft(v)),
          "view_as_complex": lambda v: torch.view_as_complex(torch.stack([v, v], -1))}[name]
     check(f, (3, 4, 4))
+
+
+@pytest.mark.parametrize("in_dims", [(0, 0, 0), (0, None, 1), (None, 1, None), (1, 0, None)])
+def test_prims_where(in_dims):
+    """prims.where needs one shape for all three tensors (decompositions of isin and the
+    margin losses call it): batched or not, they are expanded alike."""
+    where = torch.ops.prims.where.default
+    makers = [lambda: torch.randn(4, 5) > 0, lambda: torch.randn(4, 5), lambda: torch.randn(4, 5)]
+    args = [make() if d is None else torch.stack([make() for _ in range(3)], d)
+            for make, d in zip(makers, in_dims)]
+    ours = vmap_without_slow_loop(where, *args, in_dims=in_dims, warnings_are_errors=True)
+    torch.testing.assert_close(ours, loop_reference(where, args, in_dims))
+
+
+def test_isin_and_margin_losses_take_no_slow_loop():
+    x, t = torch.randn(3, 6), torch.randint(0, 6, (3,))
+    check_vmap(lambda a: torch.isin(a, a[:2]), x, warnings_are_errors=True)
+    check_vmap(torch.nn.functional.multi_margin_loss, x, t, warnings_are_errors=True)

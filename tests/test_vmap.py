@@ -133,6 +133,10 @@ def test_data_dependent_control_flow_errors():
         vmap(branch)(torch.randn(3, 2))
     with pytest.raises(RuntimeError, match="item"):
         vmap(lambda x: x * x.sum().item())(torch.randn(3, 2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an error of its own, not the slow loop's
+        with pytest.raises(RuntimeError, match=r"isclose\(a, b, rtol, atol\)\.all\(\)"):
+            vmap(lambda x: torch.tensor(torch.allclose(x, x)))(torch.randn(3, 2))
 
 
 def test_type_promotion_with_batched_scalars():

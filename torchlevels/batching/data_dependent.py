@@ -2,6 +2,7 @@
 
 ``.item()``, ``bool(t)``, ``t.tolist()`` and friends all arrive as
 ``aten._local_scalar_dense``; Python control flow on such a value would differ per example.
+``torch.equal`` and ``torch.allclose`` return one Python bool for the whole batch.
 """
 
 from __future__ import annotations
@@ -20,4 +21,13 @@ def data_dependent(func, args, dims, kwargs):
         "`bool(t)` in an `if`, `.tolist()`, `torch.equal`). Each example would give a "
         "different value, so data-dependent Python control flow cannot be vmapped. Rewrite "
         "it with tensor ops such as torch.where(cond, a, b), or move it out of vmap."
+    )
+
+
+@register(aten.allclose)
+def allclose(func, args, dims, kwargs):
+    raise RuntimeError(
+        "vmap: torch.allclose returns one Python bool, which would differ per example. Use "
+        "torch.isclose(a, b, rtol, atol).all() instead: a batched tensor, one bool per "
+        "example."
     )

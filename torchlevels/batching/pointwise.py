@@ -95,6 +95,22 @@ register_family("pointwise", _is_pointwise, pointwise_rule)
 register(aten.copy_.default, aten.complex, aten.polar)(pointwise_rule)
 
 
+@register(torch.ops.prims.where.default)
+def prims_where(func, args, dims, kwargs):
+    """``prims.where(pred, a, b)``: elementwise, but its tensors must have one shape (no
+    broadcasting), so every one is batched at the front and expanded to the same shape."""
+    size = batch_size(args, dims)
+    tensors = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+    rank = max(args[i].dim() - (dims[i] is not None) for i in tensors)
+    phys = list(args)
+    for i in tensors:
+        phys[i] = pad_to_rank(materialize(args[i], dims[i], size), rank)
+    shape = torch.broadcast_shapes(*(phys[i].shape for i in tensors))
+    for i in tensors:
+        phys[i] = phys[i].expand(shape)
+    return func(*phys, **kwargs), 0
+
+
 @register(aten.copy.default)
 def copy(func, args, dims, kwargs):
     """``copy(self, src)``: src broadcast into self's shape, so self needs the batch dim."""
