@@ -154,12 +154,16 @@ class JvpLevel(Level):
         inplace = writes_first_argument(func)
         if inplace and type(args[0]) is not cls:
             _raise_captured_inplace(func, "jvp")
-        with _dual_level() as level, autograd_on():
+        level = fwAD._current_level
+        if level < 0:  # a jvp level outlived the forward-AD level it entered
+            with _dual_level():
+                return self.dispatch(cls, func, args, kwargs)
+        with autograd_on():
             dual_args = [_to_dual(a, cls, level) for a in args]
             dual_kwargs = {k: _to_dual(v, cls, level) for k, v in kwargs.items()}
             out = func(*dual_args, **dual_kwargs)
             if inplace:
-                return _update_inplace(args[0], *fwAD.unpack_dual(dual_args[0], level=level))
+                return _update_inplace(args[0], *_unpack_dual(dual_args[0], level=level))
             out = _from_dual(cls, out, level)
         if (returns_view(func) and type(args[0]) is cls and isinstance(out, torch.Tensor)
                 and out._tangent is None):  # a view of a tensor with no tangent (yet)
@@ -210,11 +214,18 @@ def _update_inplace(self_: torch.Tensor, primal: torch.Tensor, tangent: Any) -> 
     return self_
 
 
+# PyTorch's own ops under forward_ad.make_dual / unpack_dual, without those functions'
+# per-call checks and export hooks (levels call them on every op); make_dual's one-time
+# loading of forward AD's decompositions is done here instead
+_make_dual, _unpack_dual = torch._VF._make_dual, torch._VF._unpack_dual
+fwAD._maybe_load_decompositions()
+
+
 def _to_dual(a: Any, cls, level: int) -> Any:
     if type(a) is cls:
         if _view_tangent(a) is None:
             return a._inner
-        return fwAD.make_dual(a._inner, a._tangent, level=level)
+        return _make_dual(a._inner, a._tangent, level=level)
     if type(a) in (list, tuple):
         return type(a)(_to_dual(t, cls, level) for t in a)
     return a
@@ -222,7 +233,7 @@ def _to_dual(a: Any, cls, level: int) -> Any:
 
 def _from_dual(cls, out: Any, level: int) -> Any:
     if isinstance(out, torch.Tensor):
-        primal, tangent = fwAD.unpack_dual(out, level=level)
+        primal, tangent = _unpack_dual(out, level=level)
         return _wrap(cls, primal, tangent)  # every output is ours (as in GradLevel)
     if isinstance(out, (tuple, list)):
         return type(out)(_from_dual(cls, o, level) for o in out)
