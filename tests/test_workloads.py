@@ -415,3 +415,21 @@ def test_per_atom_force_jacobian_by_jacfwd_of_forces():
     pos = configurations(batch=2, atoms=4)
     force = lambda lib: lambda p: -lib.grad(lennard_jones_pairs)(p)
     assert_tree_close(tl.vmap(tl.jacfwd(force(tl)))(pos), tf.vmap(tf.jacfwd(force(tf)))(pos))
+
+
+@pytest.mark.parametrize("order", ["grad of per-sample grads", "jacrev over the inputs",
+                                   "per-sample hessians"])
+def test_second_order_through_per_sample_conv_gradients(order):
+    """Per-sample conv weight gradients skip copying the shared weight (the kernel reads
+    only its shape): derivatives of those gradients must not see the difference."""
+    w = torch.randn(4, 2, 3, 3, dtype=torch.float64)
+    xs = torch.randn(5, 2, 7, 7, dtype=torch.float64)
+    loss = lambda w, x: (F.conv2d(x.unsqueeze(0), w).tanh() ** 2).sum()
+    per_sample = lambda lib: lib.vmap(lib.grad(loss), in_dims=(None, 0))
+    run = {
+        "grad of per-sample grads": lambda lib: lib.grad(
+            lambda w: (per_sample(lib)(w, xs) ** 2).sum())(w),
+        "jacrev over the inputs": lambda lib: lib.jacrev(lambda x: per_sample(lib)(w, x))(xs),
+        "per-sample hessians": lambda lib: lib.vmap(lib.hessian(loss), in_dims=(None, 0))(w, xs),
+    }[order]
+    assert_tree_close(run(tl), run(tf))
