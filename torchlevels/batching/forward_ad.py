@@ -23,10 +23,9 @@ def example_storage_numel(t: torch.Tensor, bdim: int | None) -> int:
 
     A batched tensor whose batch dim is outermost in its storage gives each example a
     slab of ``stride(bdim)`` elements. Examples interleaved in storage (a batch dim that is
-    not outermost, say ``in_dims=1``) each see the whole storage: the one that
-    :func:`new_zeros_with_same_feature_meta` reads off an example, so a tangent forward AD
-    lays out like its primal compares equal to it. Wrappers of other levels see their inner
-    storage.
+    not outermost, say ``in_dims=1``) each see the whole storage. Wrappers of other levels
+    see their inner storage. :func:`new_zeros_with_same_feature_meta` lays tangents out
+    from examples of exactly this size, so such a tangent compares equal to its primal.
     """
     n = _storage_numel(t)
     if bdim is None:
@@ -57,7 +56,7 @@ def _example(t: torch.Tensor, bdim: int) -> torch.Tensor:
     sizes, strides = t.shape[:bdim] + t.shape[bdim + 1:], t.stride()[:bdim] + t.stride()[bdim + 1:]
     numel, offset = example_storage_numel(t, bdim), t.storage_offset()
     reach = offset + 1 + sum((k - 1) * s for k, s in zip(sizes, strides)) if all(sizes) else 0
-    if isinstance(t, LevelTensor) or reach > numel:  # its storage is seen through its levels
+    if isinstance(t, LevelTensor) or reach > numel:  # levels below size it; or cannot fit
         return t.select(bdim, 0)
     return t.new_empty(numel).as_strided(sizes, strides, offset)
 
