@@ -22,10 +22,12 @@ import torch.nn.functional as F
 from torch import nn
 
 import torchlevels
+from torchlevels._level import autograd_on
 
 PLAIN, TORCH_FUNC, TORCHLEVELS = "plain (no vmap)", "torch.func", "torchlevels"
 FLOOR = "minimal subclass"  # optional: the cheapest possible per-op __torch_dispatch__
 FUNCTION_FLOOR = "minimal __torch_function__"  # optional: the cheapest per-call Python hook
+TWO_LEVEL_FLOOR = "minimal two levels"  # optional: the cheapest grad level over a batch level
 LOOP = "Python loop"  # one torch.autograd call per example, stacked
 OPACUS = "Opacus"  # opacus.GradSampleModule: per-sample gradients by backward hooks
 EAGER = "torchlevels (eager)"  # the uncompiled torchlevels composition, beside compiled ones
@@ -54,6 +56,11 @@ REFERENCES: dict[str, Reference] = {r.name: r for r in (
               "only unwraps, calls and rewraps each call before the dispatcher "
               "(`_MinimalFunction`): the floor for any design that handles each call in "
               "Python, as torchlevels' shortcuts do"),
+    Reference(TWO_LEVEL_FLOOR, "#b8a060", "in the grad-overhead group, two minimal "
+              "`__torch_dispatch__` subclasses nested as vmap(grad) nests its levels: an "
+              "outer one that runs each op on its inner tensors with autograd recording, "
+              "over one that only unwraps, calls and rewraps (`_RecordingLevel` over "
+              "`_PassThrough`): the floor for any design with two Python levels per op"),
     Reference(LOOP, "#55a868", "a Python `for` loop over the examples calling "
               "`torch.autograd.grad` on each and stacking the results: what one writes "
               "without per-sample transforms"),
@@ -451,9 +458,44 @@ def grad_overhead_group() -> list[Benchmark]:
             rows.append(torch.autograd.grad(loss(xi, y[i]), xi)[0])
         return torch.stack(rows)
 
+    def two_levels():  # the examples are independent: the gradient of the sum over all
+        leaf = _PassThrough.wrap(x, requires_grad=True)
+        out = loss(_RecordingLevel.wrap(leaf), _PassThrough.wrap(y))
+        return torch.autograd.grad(out.inner, leaf)[0].inner
+
     return [_autodiff(CHAIN,
                       lambda lib: lib.vmap(lib.grad(loss)), (x, y),
-                      {PLAIN: plain, LOOP: loop})]
+                      {PLAIN: plain, TWO_LEVEL_FLOOR: two_levels, LOOP: loop})]
+
+
+class _PassThrough(torch.Tensor):
+    """The floor of a level that only forwards: unwrap, call, rewrap, shapes as they are
+    (the batch stays in the shape: correct for the grad-overhead chain only)."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        out = func(*[a.inner if type(a) is cls else a for a in args], **(kwargs or {}))
+        return cls.wrap(out) if isinstance(out, torch.Tensor) else out
+
+    @classmethod
+    def wrap(cls, inner, requires_grad=False):
+        out = torch.Tensor._make_wrapper_subclass(cls, inner.shape, strides=inner.stride(),
+                                                  dtype=inner.dtype, requires_grad=requires_grad)
+        out.inner = inner
+        return out
+
+
+class _RecordingLevel(_PassThrough):
+    """The floor of a grad level: each op run on the inner tensors with autograd recording
+    (torchlevels' ``autograd_on``, the least a dispatch-level wrapper needs for that)."""
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        with autograd_on():
+            out = func(*[a.inner if type(a) is cls else a for a in args], **(kwargs or {}))
+        return cls.wrap(out) if isinstance(out, torch.Tensor) else out
 
 
 # -- first-class dimensions: torchlevels.dim against plain PyTorch and functorch.dim ------

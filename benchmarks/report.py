@@ -19,6 +19,7 @@ from benchmarks.groups import (
     REFERENCES,
     TORCH_FUNC,
     TORCHLEVELS,
+    TWO_LEVEL_FLOOR,
     Benchmark,
     Group,
 )
@@ -218,8 +219,18 @@ def render(results: dict[str, list[Result]], groups: dict[str, Group], info: dic
                     f"least the second. torchlevels answers these calls with its shortcuts, "
                     f"in `__torch_function__`: {t_ours(r) / function_floor:.2f}x that floor."
                 )
-            others = [n for n in r.timings
-                      if n in REFERENCES and n not in (PLAIN, FLOOR, FUNCTION_FLOOR)]
+            if TWO_LEVEL_FLOOR in r.timings:
+                floor = r.timings[TWO_LEVEL_FLOOR].median
+                lines.append(
+                    f"  The floor: two minimal `__torch_dispatch__` levels, a grad level "
+                    f"recording autograd over a pass-through one (`_RecordingLevel` over "
+                    f"`_PassThrough` in benchmarks/groups.py), take {fmt_time(floor)}, "
+                    f"{floor / t_func(r):.2f}x torch.func (same rounds). Any design with two "
+                    f"Python levels per op pays at least that; torchlevels takes "
+                    f"{t_ours(r) / floor:.2f}x that floor."
+                )
+            others = [n for n in r.timings if n in REFERENCES
+                      and n not in (PLAIN, FLOOR, FUNCTION_FLOOR, TWO_LEVEL_FLOOR)]
             if others:
                 vs = ", ".join(f"{t_ours(r) / r.timings[n].median:.2f}x {n}" for n in others)
                 lines.append(f"  torchlevels against the other references: {vs} "
