@@ -40,6 +40,7 @@ from torchlevels._level import (
     wrap_all,
     wrap_inner,
 )
+from torchlevels.batching.forward_ad import example_storage_numel
 from torchlevels.batching.registry import returns_view, writes_first_argument
 
 # A composite op that picks a kernel without a derivative when no argument requires grad,
@@ -154,6 +155,14 @@ class JvpLevel(Level):
         inplace = writes_first_argument(func)
         if inplace and type(args[0]) is not cls:
             _raise_captured_inplace(func, "jvp")
+        if inplace and _interleaved_view(args[0]._inner):
+            raise NotImplementedError(
+                f"jvp under vmap: {func} writes in place through a view of a tensor whose "
+                "examples interleave in memory (vmap over a dim that is not the leading one, "
+                "such as in_dims=1). Forward-mode AD would give wrong tangents there, so it "
+                "is refused. Batch over the leading dim (x.movedim(d, 0).contiguous() before "
+                "vmap), or write out of place (torch.cat, torch.where, index_put)."
+            )
         level = fwAD._current_level
         if level < 0:  # a jvp level outlived the forward-AD level it entered
             with _dual_level():
@@ -169,6 +178,20 @@ class JvpLevel(Level):
                 and out._tangent is None):  # a view of a tensor with no tangent (yet)
             out._view_of = (args[0], func, args[1:], kwargs)
         return out
+
+
+def _interleaved_view(t: Any) -> bool:
+    """Whether ``t`` is, at some vmap level inside it, a view whose examples interleave in
+    memory: the batch dim not outermost in storage, and less than the whole storage seen
+    (physical tensors made inside a level carry no view flag, so size tells)."""
+    while isinstance(t, LevelTensor):
+        bdim, inner = getattr(t, "_bdim", None), t._inner
+        if bdim is not None:
+            storage = example_storage_numel(inner, None)
+            if inner.numel() < storage and example_storage_numel(inner, bdim) == storage:
+                return True
+        t = inner
+    return False
 
 
 def _view_tangent(t: torch.Tensor) -> Any:

@@ -358,12 +358,18 @@ def jacrev(func: Callable, argnums: int | tuple[int, ...] = 0, *, has_aux: bool 
     return accepts_dims(wrapper)
 
 
-def _basis(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """One-hot rows for all ``tensors`` at once: entry i is (total numel, *tensors[i].shape)."""
+def _basis(tensors: list[torch.Tensor], below: bool = True) -> list[torch.Tensor]:
+    """One-hot rows for all ``tensors`` at once: entry i is (total numel, *tensors[i].shape).
+
+    ``below``: made below the vmap and grad levels around (see :func:`_below_transforms`),
+    for a basis of cotangents. A basis of tangents is made at every level, batched as its
+    primals are: an in-place op on a tensor made from an input (``y = x.clone();
+    y.mul_(x)``) writes batched values into its tangent, as torch.func allows.
+    """
     total = sum(t.numel() for t in tensors)
     first = tensors[0]
     if first.layout == torch.strided:
-        eye = _below_transforms(first).new_zeros(total, total)
+        eye = (_below_transforms(first) if below else first).new_zeros(total, total)
         eye.diagonal().fill_(1)
     else:  # sparse outputs: a dense basis
         eye = torch.eye(total, dtype=first.dtype, device=first.device)
@@ -424,7 +430,7 @@ def jacfwd(func: Callable, argnums: int | tuple[int, ...] = 0, has_aux: bool = F
             return jvp(partial, diff, tuple(tree_unflatten(list(tangents), in_spec)),
                        has_aux=has_aux)
 
-        basis = _basis(flat_in)
+        basis = _basis(flat_in, below=False)
         if basis[0].shape[0] == 0:  # empty inputs: nothing to push, every block is empty
             zero = tuple(torch.zeros_like(t) for t in flat_in)
             results = tree_map(lambda o: o.unsqueeze(0), push(*zero))
