@@ -40,7 +40,6 @@ from torchlevels._level import (
     wrap_all,
     wrap_inner,
 )
-from torchlevels.batching.forward_ad import example_storage_numel
 from torchlevels.batching.registry import returns_view, writes_first_argument
 
 # A composite op that picks a kernel without a derivative when no argument requires grad,
@@ -155,14 +154,6 @@ class JvpLevel(Level):
         inplace = writes_first_argument(func)
         if inplace and type(args[0]) is not cls:
             _raise_captured_inplace(func, "jvp")
-        if inplace and _interleaved_view(args[0]._inner):
-            raise NotImplementedError(
-                f"jvp under vmap: {func} writes in place through a view of a tensor whose "
-                "examples interleave in memory (vmap over a dim that is not the leading one, "
-                "such as in_dims=1). Forward-mode AD would give wrong tangents there, so it "
-                "is refused. Batch over the leading dim (x.movedim(d, 0).contiguous() before "
-                "vmap), or write out of place (torch.cat, torch.where, index_put)."
-            )
         level = fwAD._current_level
         if level < 0:  # a jvp level outlived the forward-AD level it entered
             with _dual_level():
@@ -180,20 +171,6 @@ class JvpLevel(Level):
         return out
 
 
-def _interleaved_view(t: Any) -> bool:
-    """Whether ``t`` is, at some vmap level inside it, a view whose examples interleave in
-    memory: the batch dim not outermost in storage, and less than the whole storage seen
-    (physical tensors made inside a level carry no view flag, so size tells)."""
-    while isinstance(t, LevelTensor):
-        bdim, inner = getattr(t, "_bdim", None), t._inner
-        if bdim is not None:
-            storage = example_storage_numel(inner, None)
-            if inner.numel() < storage and example_storage_numel(inner, bdim) == storage:
-                return True
-        t = inner
-    return False
-
-
 def _view_tangent(t: torch.Tensor) -> Any:
     """``t``'s tangent. A view made while its base had none gets a view of the base's
     tangent once the base has one (written through another view)."""
@@ -208,13 +185,15 @@ def _view_tangent(t: torch.Tensor) -> Any:
 
 def _base_tangent(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """``t``'s tangent, zeros (batched as ``like`` is) if it has none, made through its
-    base if it is a view, so that it stays a view of the base's tangent."""
+    base if it is a view, so that it stays a view of the base's tangent. New zeros are laid
+    out as the primal is (strides, offset, storage), as forward AD's own are: a later
+    ``as_strided`` of the primal's layout must read the same elements of the tangent."""
     if _view_tangent(t) is None:
         if hasattr(t, "_view_of"):
             _base_tangent(t._view_of[0], like)
             _view_tangent(t)  # now a view of the base's
         else:
-            t._tangent = like.new_zeros(t._inner.shape, dtype=t._inner.dtype)
+            t._tangent = _new_zeros_with_same_feature_meta(like, t._inner)
     return t._tangent
 
 
@@ -241,6 +220,7 @@ def _update_inplace(self_: torch.Tensor, primal: torch.Tensor, tangent: Any) -> 
 # per-call checks and export hooks (levels call them on every op); make_dual's one-time
 # loading of forward AD's decompositions is done here instead
 _make_dual, _unpack_dual = torch._VF._make_dual, torch._VF._unpack_dual
+_new_zeros_with_same_feature_meta = torch.ops.aten._new_zeros_with_same_feature_meta.default
 fwAD._maybe_load_decompositions()
 
 
