@@ -384,3 +384,12 @@ def test_jvp_of_grad_of_jvp_of_an_in_place_transpose():
         return lib.jvp(lib.grad(lambda a: inner(a).sum()), (x,), (x * 0.25 + 0.5,))[1]
 
     torch.testing.assert_close(run(tl), run(ft))
+
+
+@pytest.mark.xfail(strict=True, raises=RuntimeError, reason="known bug: PyTorch's forward-AD "
+                   "layout assert fires when two vmaps, the outer over dim 1, enclose jacfwd "
+                   "of a write through a view (one vmap over either dim works)")
+def test_jacfwd_of_a_view_write_under_two_vmaps_the_outer_over_dim_1():
+    x = torch.randn(2, 2, 1, dtype=DTYPE)
+    run = lambda lib: lib.vmap(lib.vmap(lib.jacfwd(_write_through_view)), in_dims=1)(x)
+    torch.testing.assert_close(run(tl), run(ft))
