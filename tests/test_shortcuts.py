@@ -209,39 +209,23 @@ def test_a_foreign_torch_function_subclass_goes_first():
     assert_close(ours.as_subclass(torch.Tensor), x4 + tag.as_subclass(torch.Tensor))
 
 
-def test_a_users_rule_for_an_aten_op_switches_the_shortcuts_off():
+@pytest.mark.parametrize("fn, op", [(torch.sin, torch.ops.aten.sin.default),
+                                     (torch.cos, torch.ops.aten.cos)],  # an op packet
+                         ids=["overload", "packet"])
+def test_a_users_rule_for_an_aten_op_switches_the_shortcuts_off(fn, op):
     seen = []
 
-    def sin_rule(func, args, dims, kwargs):
+    def rule(func, args, dims, kwargs):
         seen.append(func)
         return pointwise_rule(func, args, dims, kwargs)
 
     try:
-        torchlevels.register_batching_rule(torch.ops.aten.sin.default)(sin_rule)
+        torchlevels.register_batching_rule(op)(rule)
         assert not SHORTCUTS
-        assert_close(vmap(torch.sin)(x4), torch.sin(x4))
-        assert seen == [torch.ops.aten.sin.default]
-    finally:  # the library's own state back: sin batched by its family, shortcuts on
-        registry._own.pop(torch.ops.aten.sin.default)
-        registry.resolved_by_id.clear()
-        shortcuts.switch_on()
-    assert SHORTCUTS
-
-
-def test_a_users_rule_for_an_op_packet_switches_the_shortcuts_off():
-    seen = []
-
-    def cos_rule(func, args, dims, kwargs):
-        seen.append(func)
-        return pointwise_rule(func, args, dims, kwargs)
-
-    try:
-        torchlevels.register_batching_rule(torch.ops.aten.cos)(cos_rule)
-        assert not SHORTCUTS
-        assert_close(vmap(torch.cos)(x4), torch.cos(x4))
-        assert seen == [torch.ops.aten.cos.default]
-    finally:
-        registry._own.pop(torch.ops.aten.cos)
+        assert_close(vmap(fn)(x4), fn(x4))
+        assert seen == [getattr(torch.ops.aten, fn.__name__).default]
+    finally:  # the library's own state back: the op batched by its family, shortcuts on
+        registry._own.pop(op)
         registry.resolved_by_id.clear()
         shortcuts.switch_on()
     assert SHORTCUTS

@@ -28,7 +28,7 @@ from torchlevels._level import (
     set_logical_meta,
 )
 from torchlevels.batching import predispatch, shortcuts
-from torchlevels.batching.registry import How, resolve, resolved_by_id
+from torchlevels.batching.registry import How, resolve, resolved_by_id, written_arguments
 from torchlevels.batching.shortcuts import wrap_all_front, wrap_front
 
 _make_wrapper_subclass = torch.Tensor._make_wrapper_subclass
@@ -148,13 +148,13 @@ def wrap_outputs(cls, func, inplace: bool, args, out, out_dims):
             return wrap_batched(cls, out, out_dims)
     if out_dims is None:
         return out
-    written = _written_arguments(func)
+    written = written_arguments(func)
     wrapped = []
     for i, (o, d) in enumerate(zip(out, out_dims)):
         k = written[i] if i < len(written) else None
         if d is None:
             wrapped.append(o)
-        elif k is not None and type(args[k]) is cls:  # a batched argument it wrote: as is
+        elif k is not None and k < len(args) and type(args[k]) is cls:  # written: as is
             wrapped.append(args[k])
         else:
             wrapped.append(wrap_batched(cls, o, d))
@@ -227,21 +227,6 @@ def _rewrap_inplace(self: torch.Tensor, inner: torch.Tensor, bdim: int) -> None:
     shape, strides = inner.shape, inner.stride()
     set_logical_meta(self, shape[:bdim] + shape[bdim + 1 :], strides[:bdim] + strides[bdim + 1 :],
                      inner.storage_offset())
-
-
-@functools.cache
-def _written_arguments(func) -> tuple[int | None, ...]:
-    """For each output of ``func``: the position of the argument it writes and returns
-    (an in-place or out= op's), else None."""
-    schema = func._schema
-    written = []
-    for ret in schema.returns:
-        alias = ret.alias_info
-        written.append(next(
-            (k for k, a in enumerate(schema.arguments) if alias is not None and alias.is_write
-             and a.alias_info is not None and a.alias_info.before_set == alias.before_set),
-            None))
-    return tuple(written)
 
 
 # -- the public API -----------------------------------------------------------------------

@@ -27,6 +27,13 @@ def logical_shape(x: torch.Tensor, bdim: int | None) -> tuple[int, ...]:
     return shape if bdim is None else shape[:bdim] + shape[bdim + 1 :]
 
 
+def span(sizes, strides) -> int:
+    """How many storage elements a layout reaches from its first: 0 when it is empty."""
+    if not all(sizes):
+        return 0
+    return 1 + sum((n - 1) * s for n, s in zip(sizes, strides))
+
+
 def to_front(x: torch.Tensor, bdim: int | None) -> torch.Tensor:
     """``x`` with its batch dim first (unchanged when unbatched or already first)."""
     if bdim is None or bdim == 0:

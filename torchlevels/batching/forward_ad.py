@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from torchlevels._level import LevelTensor, autograd_on
-from torchlevels.batching.dims import materialize
+from torchlevels.batching.dims import logical_shape, materialize, span
 from torchlevels.batching.registry import batch_size, register
 
 aten = torch.ops.aten
@@ -53,10 +53,11 @@ def new_zeros_with_same_feature_meta(func, args, dims, kwargs):
 def _example(t: torch.Tensor, bdim: int) -> torch.Tensor:
     """A tensor laid out as one example of ``t`` (sizes, strides, offset) whose storage is
     the one that example sees (:func:`example_storage_numel`), for ops that read it."""
-    sizes, strides = t.shape[:bdim] + t.shape[bdim + 1:], t.stride()[:bdim] + t.stride()[bdim + 1:]
-    numel, offset = example_storage_numel(t, bdim), t.storage_offset()
-    reach = offset + 1 + sum((k - 1) * s for k, s in zip(sizes, strides)) if all(sizes) else 0
-    if isinstance(t, LevelTensor) or reach > numel:  # levels below size it; or cannot fit
+    sizes, strides = logical_shape(t, bdim), t.stride()[:bdim] + t.stride()[bdim + 1:]
+    numel, offset, reach = example_storage_numel(t, bdim), t.storage_offset(), span(sizes, strides)
+    # another level's tensor is sized through its own levels; a layout that does not fit in
+    # that storage is taken as it is
+    if isinstance(t, LevelTensor) or (reach and offset + reach > numel):
         return t.select(bdim, 0)
     return t.new_empty(numel).as_strided(sizes, strides, offset)
 

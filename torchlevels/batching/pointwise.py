@@ -102,12 +102,10 @@ def prims_where(func, args, dims, kwargs):
     size = batch_size(args, dims)
     tensors = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
     rank = max(args[i].dim() - (dims[i] is not None) for i in tensors)
+    padded = [pad_to_rank(materialize(args[i], dims[i], size), rank) for i in tensors]
     phys = list(args)
-    for i in tensors:
-        phys[i] = pad_to_rank(materialize(args[i], dims[i], size), rank)
-    shape = torch.broadcast_shapes(*(phys[i].shape for i in tensors))
-    for i in tensors:
-        phys[i] = phys[i].expand(shape)
+    for i, t in zip(tensors, torch.broadcast_tensors(*padded)):
+        phys[i] = t
     return func(*phys, **kwargs), 0
 
 

@@ -157,8 +157,27 @@ def returns_view(func: OpOverload) -> bool:
     return found
 
 
+def written_arguments(func: OpOverload) -> tuple[int | None, ...]:
+    """For each output of ``func``: the position of the argument it writes and returns
+    (an in-place or out= op's), else None.
+
+    Cached by ``id(func)``, like :func:`writes_first_argument`.
+    """
+    found = _written.get(id(func))
+    if found is None:
+        schema = func._schema
+        found = _written[id(func)] = tuple(
+            next((k for k, a in enumerate(schema.arguments)
+                  if r.alias_info is not None and r.alias_info.is_write
+                  and a.alias_info is not None
+                  and a.alias_info.before_set == r.alias_info.before_set), None)
+            for r in schema.returns)
+    return found
+
+
 _writes_first: dict[int, bool] = {}
 _returns_view: dict[int, bool] = {}
+_written: dict[int, tuple[int | None, ...]] = {}
 
 
 def _is_inplace(func: OpOverload) -> bool:

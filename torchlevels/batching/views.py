@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from torchlevels.batching.dims import logical_shape, materialize, pad_to_rank, to_front, wrap_dim
+from torchlevels.batching.dims import (
+    logical_shape,
+    materialize,
+    pad_to_rank,
+    span,
+    to_front,
+    wrap_dim,
+)
 from torchlevels.batching.reductions import dim_rule
 from torchlevels.batching.registry import batch_size, register
 
@@ -195,7 +202,7 @@ def as_strided(func, args, dims, kwargs):
 def new_empty_strided(func, args, dims, kwargs):
     """Batched: one block of storage per example, laid out with the given strides."""
     x, size, stride = args
-    extent = 1 + sum((n - 1) * st for n, st in zip(size, stride)) if all(size) else 1
+    extent = max(span(size, stride), 1)
     return func(x, [x.shape[dims[0]], *size], [extent, *stride], **kwargs), 0
 
 
