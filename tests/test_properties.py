@@ -48,6 +48,7 @@ BINARY: dict[str, Callable] = {
     "div": lambda x, c: x / (1 + c * c),
     "pow": lambda x, c: (x * x + 1) ** c,
 }
+INPLACE = ("mul_", "narrow_write", "transpose_write", "unsqueeze_write")
 FINAL: dict[str, Callable] = {
     "none": lambda x: x,
     "sum": lambda x: x.sum(),
@@ -60,12 +61,18 @@ FINAL: dict[str, Callable] = {
 class Op:
     """One op of a drawn function; ``dim`` and ``index`` are used by the ops that need them."""
 
-    kind: str  # unary, binary, reduce, matmul, softmax, index
+    kind: str  # unary, binary, reduce, matmul, softmax, index, inplace
     name: str = ""
     dim: int = 0
     index: tuple[int, ...] = ()
 
-    def build(self, shape: tuple[int, ...], gen: torch.Generator) -> Callable:
+    def build(self, shape: tuple[int, ...], gen: torch.Generator,
+              in_place_views: bool = True) -> Callable:
+        """The op as a function; with ``in_place_views`` False, an in-place view op
+        (``transpose_``) is its out-of-place view op, for torch.func: PyTorch's forward AD
+        gets writes through a view changed in place wrong."""
+        if self.kind == "inplace":
+            return self._in_place(shape, gen, in_place_views)
         if self.kind == "unary":
             return UNARY[self.name]
         if self.kind == "binary":
@@ -85,11 +92,35 @@ class Op:
             return lambda x: x[key]
         raise AssertionError(self.kind)
 
+    def _in_place(self, shape, gen, in_place_views: bool) -> Callable:
+        d = self.dim
+        if self.name == "mul_":
+            c = torch.randn(shape[d:], dtype=DTYPE, generator=gen)
+            return lambda x: x.clone().mul_(c)
+
+        def view_op(v, name, *args):
+            return getattr(v, name + "_" if in_place_views else name)(*args)
+
+        def f(x):
+            y = x.clone()
+            if self.name == "narrow_write":
+                y.narrow(d, 0, 1).add_(x.narrow(d, shape[d] - 1, 1).sin())
+            elif self.name == "transpose_write":
+                view_op(y[...], "transpose", 0, -1).mul_(x.transpose(0, -1).cos())
+            else:  # unsqueeze_write
+                view_op(y.narrow(d, 0, 1), "unsqueeze", 0).add_(x.narrow(d, 0, 1).exp())
+            return y
+
+        return f
+
 
 @st.composite
 def ops(draw, shape: tuple[int, ...]) -> Op:
-    kind = draw(st.sampled_from(["unary", "binary", "reduce", "matmul", "softmax", "index"]))
+    kind = draw(st.sampled_from(
+        ["unary", "binary", "reduce", "matmul", "softmax", "index", "inplace"]))
     dim = draw(st.integers(0, len(shape) - 1))
+    if kind == "inplace":
+        return Op(kind, draw(st.sampled_from(INPLACE)), dim)
     if kind == "unary":
         return Op(kind, draw(st.sampled_from(sorted(UNARY))))
     if kind == "binary":
@@ -112,9 +143,9 @@ class Program:
     final: str
     seed: int
 
-    def build(self) -> Callable:
+    def build(self, in_place_views: bool = True) -> Callable:
         gen = torch.Generator(torch.get_default_device()).manual_seed(self.seed)
-        steps = [op.build(self.shape, gen) for op in self.ops]
+        steps = [op.build(self.shape, gen, in_place_views) for op in self.ops]
         final = FINAL[self.final]
 
         def f(x):
@@ -232,9 +263,8 @@ def cases(draw):
 @given(cases())
 def test_composition_matches_torch_func(case):
     program, chain, x = case
-    f = program.build()
-    expected = torch_func_result(chain, f, x)
-    actual = compose(tl, chain, f)(x)
+    expected = torch_func_result(chain, program.build(in_place_views=False), x)
+    actual = compose(tl, chain, program.build())(x)
     assert type(actual) is torch.Tensor, type(actual)
     torch.testing.assert_close(actual, expected)
 
@@ -258,10 +288,11 @@ def test_vmap_of_transform_with_unbatched_argument(program, data):
         return torch.randn(shape, dtype=DTYPE, generator=gen)
 
     x, y = batched(dx), batched(dy)
-    f = program.build()
     inner = Transform(transform)
 
     def run(lib):
+        f = program.build(in_place_views=lib is tl)
+
         def per_example(a, b):
             return inner.apply(lib, lambda t: f(t * b.cos()) + (t * b).sum())(a)
 

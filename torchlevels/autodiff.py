@@ -40,7 +40,7 @@ from torchlevels._level import (
     wrap_all,
     wrap_inner,
 )
-from torchlevels.batching.registry import returns_view, writes_first_argument
+from torchlevels.batching.registry import out_of_place_view, returns_view, writes_first_argument
 
 # A composite op that picks a kernel without a derivative when no argument requires grad,
 # which a grad level's wrappers never do (autograd runs on their inner tensors): the
@@ -107,6 +107,10 @@ class GradLevel(Level):
         inplace = writes_first_argument(func)
         if inplace and type(args[0]) is not cls:
             _raise_captured_inplace(func, self.kind)
+        view = out_of_place_view(func) if inplace else None
+        if view is not None and not _is_tracked_leaf(inner_args[0]):
+            with autograd_on():
+                return _rebind_to_view(args[0], view, inner_args, inner_kwargs)
         func = _DIFFERENTIABLE_KERNEL.get(func, func)
         with autograd_on():  # autograd on again for the inner tensors, as the user set it
             out = func(*inner_args, **inner_kwargs)
@@ -119,6 +123,23 @@ class GradLevel(Level):
         # every output is ours, tracked or not: a later in-place op may write a tracked
         # value into it (``buf = zeros_like(x); buf[0] = x``), as in torch.func
         return wrap_all(cls, out)
+
+
+def _is_tracked_leaf(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and t.requires_grad and not t._is_view() and t.is_leaf
+
+
+def _rebind_to_view(self_: torch.Tensor, view, inner_args: list, inner_kwargs: dict) -> Any:
+    """An in-place view op (``t_``, ``squeeze_``) as its view op: ``self_`` wraps the view
+    from now on. Autograd rebuilds a view of a Python-dispatch tensor (the tensors of an
+    enclosing level) by replaying the view ops that made it, which miss a later in-place
+    view op: a write through such a view, or through a view made before it, would get
+    wrong gradients. Called with autograd on."""
+    inner = view(*inner_args, **inner_kwargs)
+    torch.autograd.graph.increment_version(inner)  # as the in-place op: saved values are stale
+    self_._inner = inner
+    follow_inner(self_)
+    return self_
 
 
 def _resolve_lazy_bits(out: Any) -> Any:
@@ -154,6 +175,9 @@ class JvpLevel(Level):
         inplace = writes_first_argument(func)
         if inplace and type(args[0]) is not cls:
             _raise_captured_inplace(func, "jvp")
+        view = out_of_place_view(func) if inplace else None
+        if view is not None:
+            return _jvp_inplace_view(cls, view, args, kwargs)
         level = fwAD._current_level
         if level < 0:  # a jvp level outlived the forward-AD level it entered
             with _dual_level():
@@ -167,18 +191,37 @@ class JvpLevel(Level):
             out = _from_dual(cls, out, level)
         if (returns_view(func) and type(args[0]) is cls and isinstance(out, torch.Tensor)
                 and out._tangent is None):  # a view of a tensor with no tangent (yet)
-            out._view_of = (args[0], func, args[1:], kwargs)
+            out._view_of = (args[0], [(func, args[1:], kwargs)])
         return out
+
+
+def _jvp_inplace_view(cls, view, args, kwargs) -> torch.Tensor:
+    """An in-place view op (``t_``, ``squeeze_``) as its view op on the primal and on the
+    tangent (see :func:`_rebind_to_view`): forward AD's own handling of a write through a
+    view that was transposed in place reads the base's tangent untransposed. A view still
+    waiting for its base's tangent will view it through this op too."""
+    self_ = args[0]
+    rest = [unwrap_own(a, cls) for a in args[1:]]
+    tangent = _view_tangent(self_)
+    with autograd_on():
+        _rebind_to_view(self_, view, [self_._inner, *rest], kwargs)
+        if tangent is not None:
+            self_._tangent = view(tangent, *rest, **kwargs)
+        elif hasattr(self_, "_view_of"):
+            self_._view_of[1].append((view, rest, kwargs))
+    return self_
 
 
 def _view_tangent(t: torch.Tensor) -> Any:
     """``t``'s tangent. A view made while its base had none gets a view of the base's
     tangent once the base has one (written through another view)."""
     if t._tangent is None and hasattr(t, "_view_of"):
-        base, func, rest, kwargs = t._view_of
-        base_tangent = _view_tangent(base)
-        if base_tangent is not None:
-            t._tangent = func(base_tangent, *rest, **kwargs)
+        base, ops = t._view_of
+        tangent = _view_tangent(base)
+        if tangent is not None:
+            for func, rest, kwargs in ops:
+                tangent = func(tangent, *rest, **kwargs)
+            t._tangent = tangent
             del t._view_of
     return t._tangent
 

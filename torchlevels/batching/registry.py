@@ -175,7 +175,32 @@ def written_arguments(func: OpOverload) -> tuple[int | None, ...]:
     return found
 
 
+def out_of_place_view(func: OpOverload) -> OpOverload | None:
+    """The view op that ``func`` does in place if it only changes metadata (``t_`` ->
+    ``t``, ``squeeze_.dim`` -> ``squeeze.dim``), else None.
+
+    Cached by ``id(func)``, like :func:`writes_first_argument`.
+    """
+    key = id(func)
+    if key not in _view_of_inplace_view:
+        name = func.overloadpacket.__name__
+        view = None
+        if torch.Tag.inplace_view in func.tags and name.endswith("_"):
+            packet = getattr(torch.ops.aten, name[:-1], None)
+            signature = _signature(func)
+            view = next((getattr(packet, o) for o in (packet.overloads() if packet else ())
+                         if _signature(getattr(packet, o)) == signature
+                         and returns_view(getattr(packet, o))), None)
+        _view_of_inplace_view[key] = view
+    return _view_of_inplace_view[key]
+
+
+def _signature(func: OpOverload) -> list[tuple[str, str]]:
+    return [(a.name, str(a.type)) for a in func._schema.arguments]
+
+
 _writes_first: dict[int, bool] = {}
+_view_of_inplace_view: dict[int, OpOverload | None] = {}
 _returns_view: dict[int, bool] = {}
 _written: dict[int, tuple[int | None, ...]] = {}
 
