@@ -454,10 +454,45 @@ def test_the_in_place_view_oracle_is_right():
         torch.testing.assert_close(tl.jvp(f, (x,), (t,))[1], finite, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError, reason="known bug: PyTorch's forward-AD "
-                   "layout assert fires when two vmaps, the outer over dim 1, enclose jacfwd "
-                   "of a write through a view (one vmap over either dim works)")
-def test_jacfwd_of_a_view_write_under_two_vmaps_the_outer_over_dim_1():
-    x = torch.randn(2, 2, 1, dtype=DTYPE)
-    run = lambda lib: lib.vmap(lib.vmap(lib.jacfwd(_write_through_view)), in_dims=1)(x)
+def _write_through_alias(x):
+    y = x.clone()
+    y[...].mul_(x.cos())  # its gradient is the cotangent itself, written through a view
+    return y
+
+
+@pytest.mark.parametrize("transform", ["jacrev", "hessian"])
+@pytest.mark.parametrize("chunk_size", [None, 2])
+def test_vmap_of_jacrev_of_a_write_through_a_view(transform, chunk_size):
+    # CopySlices' backward writes values batched over the examples into a buffer made
+    # from the cotangent: the cotangent basis must then be batched over them too
+    x, b = torch.randn(3, 2, dtype=DTYPE), torch.randn(2, dtype=DTYPE)
+
+    def run(lib):
+        jac = getattr(lib, transform)
+        kwargs = {"chunk_size": chunk_size} if transform == "jacrev" else {}
+        per_example = lambda a, c: jac(lambda t: _write_through_alias(t * c), **kwargs)(a)
+        return lib.vmap(per_example, in_dims=(0, None))(x, b)
+
+    torch.testing.assert_close(run(tl), run(ft))
+
+
+@pytest.mark.parametrize("chain", [("jacrev", "jacrev"), ("grad", "jacrev"), ("vjp", "jacrev"),
+                                   ("jacfwd", "jacrev"), ("jacrev", "vmap", "jacrev")], ids=str)
+def test_second_order_through_a_write_through_a_view(chain):
+    # the inner backward writes values the outer level tracks into a buffer made from the
+    # inner cotangent, which must then be a tensor of the outer level
+    x = torch.randn(*(2,) * (1 + chain.count("vmap")), dtype=DTYPE)
+    torch.testing.assert_close(compose(tl, chain, _write_through_alias)(x),
+                               compose(ft, chain, _write_through_alias)(x))
+
+
+@pytest.mark.parametrize("in_dims", [(1, 0), (1, 1), (0, 1), (-1, 0)], ids=str)
+@pytest.mark.parametrize("f", [_write_through_view, _write_from_input], ids=lambda f: f.__name__)
+def test_jacfwd_of_a_write_under_two_vmaps(f, in_dims):
+    # forward AD compares a tangent's storage with its primal's through every enclosing
+    # vmap: the zeros it lays out from one example of a tensor of another level must see
+    # the storage each example sees there (PyTorch's layout assert fired for in_dims (1, 0))
+    outer, inner = in_dims
+    x = torch.randn(2, 3, 2, dtype=DTYPE)
+    run = lambda lib: lib.vmap(lib.vmap(lib.jacfwd(f), in_dims=inner), in_dims=outer)(x)
     torch.testing.assert_close(run(tl), run(ft))

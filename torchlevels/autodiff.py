@@ -65,8 +65,12 @@ def _wrap(cls, inner: torch.Tensor, tangent: torch.Tensor | None = None) -> torc
     return out
 
 
+class CapturedMutationError(RuntimeError):
+    """A value of a grad or jvp level written in place into a tensor not of that level."""
+
+
 def _raise_captured_inplace(func, kind: str) -> None:
-    raise RuntimeError(
+    raise CapturedMutationError(
         f"During a {kind} transform, the function attempted to call the in-place operation "
         f"{func} that would mutate a captured Tensor (one not derived from the transform's "
         "inputs) with a value that depends on them. Mutating captured tensors is not "

@@ -21,7 +21,14 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from torchlevels._dim_inputs import accepts_dims
 from torchlevels._level import LevelTensor, enclosing_classes, innermost
-from torchlevels.autodiff import GradLevel, grad_level, jvp_level, shallow_copy
+from torchlevels.autodiff import (
+    CapturedMutationError,
+    GradLevel,
+    grad_level,
+    jvp_level,
+    shallow_copy,
+)
+from torchlevels.batching.pointwise import UnbatchedWriteError
 from torchlevels.vmap import BatchLevel, vmap
 
 __all__ = [
@@ -342,9 +349,16 @@ def jacrev(func: Callable, argnums: int | tuple[int, ...] = 0, *, has_aux: bool 
         result = vjp(partial, *diff, has_aux=has_aux)
         out, vjp_fn = result[0], result[1]
         flat_out, out_spec = tree_flatten(out)
-        basis = _basis(flat_out)
-        rows = vmap(lambda *cts: vjp_fn(tree_unflatten(list(cts), out_spec)),
-                    chunk_size=chunk_size)(*basis)
+        pull = vmap(lambda *cts: vjp_fn(tree_unflatten(list(cts), out_spec)),
+                    chunk_size=chunk_size)
+        try:
+            rows = pull(*_basis(flat_out))
+        except (UnbatchedWriteError, CapturedMutationError):
+            # a backward formula wrote batched or tracked values into a buffer made from a
+            # cotangent (CopySlices, for a write through a view): a basis made at every
+            # level around, as torch.func's, gives it buffers of those levels; the one made
+            # below them is cheaper
+            rows = pull(*_basis(flat_out, below=False))
         flat_rows = tree_flatten(rows)[0]  # one per input: (sum of out numels, *input.shape)
         blocks = []
         for o, pieces in zip(flat_out, _split_rows(flat_rows, flat_out)):

@@ -55,11 +55,10 @@ def _example(t: torch.Tensor, bdim: int) -> torch.Tensor:
     the one that example sees (:func:`example_storage_numel`), for ops that read it."""
     sizes, strides = logical_shape(t, bdim), t.stride()[:bdim] + t.stride()[bdim + 1:]
     numel, offset, reach = example_storage_numel(t, bdim), t.storage_offset(), span(sizes, strides)
-    # another level's tensor is sized through its own levels; a layout that does not fit in
-    # that storage is taken as it is
-    if isinstance(t, LevelTensor) or (reach and offset + reach > numel):
+    if reach and offset + reach > numel:  # a layout that does not fit is taken as it is
         return t.select(bdim, 0)
-    return t.new_empty(numel).as_strided(sizes, strides, offset)
+    # a plain tensor, also for another level's: only its layout is read
+    return torch.empty(numel, dtype=t.dtype, device=t.device).as_strided(sizes, strides, offset)
 
 
 @register(aten._fw_primal)

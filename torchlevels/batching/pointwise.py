@@ -78,8 +78,12 @@ def _same_category(a: torch.dtype, b: torch.dtype) -> bool:
     )
 
 
+class UnbatchedWriteError(RuntimeError):
+    """Batched values written in place into a tensor that is not batched at that level."""
+
+
 def raise_inplace_unbatched_self(func) -> None:
-    raise RuntimeError(
+    raise UnbatchedWriteError(
         f"vmap: {func}(self, *extra_args) is not possible because there exists a Tensor "
         "`other` in extra_args that has more elements than `self`. This happened due to "
         "`other` being vmapped over but `self` not being vmapped over in a vmap. Please try "
