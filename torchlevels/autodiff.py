@@ -74,7 +74,10 @@ def _raise_captured_inplace(func, kind: str) -> None:
         f"During a {kind} transform, the function attempted to call the in-place operation "
         f"{func} that would mutate a captured Tensor (one not derived from the transform's "
         "inputs) with a value that depends on them. Mutating captured tensors is not "
-        "supported: use the out-of-place op, or pass the tensor in as an input."
+        "supported: use the out-of-place op, or pass the tensor in as an input. A buffer "
+        "made inside the function by a factory (torch.zeros(n)) counts as captured here, "
+        "unlike in torch.func: make it from an input instead (x.new_zeros(n), "
+        "torch.zeros_like(x))."
     )
 
 
