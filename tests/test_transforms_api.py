@@ -5,7 +5,9 @@ error with the type torch.func raises for the same call.
 """
 
 import doctest
+import gc
 import sys
+import tracemalloc
 
 import pytest
 import torch
@@ -16,6 +18,7 @@ from torch.utils._pytree import tree_flatten
 import torchlevels
 import torchlevels as tl
 from torchlevels import EscapedTensorError, grad_level, jvp_level
+from torchlevels._level import LevelTensor
 
 
 def assert_tree_close(actual, expected, **kwargs):
@@ -780,6 +783,35 @@ def test_a_factory_buffer_written_with_tracked_values_is_refused_with_the_fix(ap
     with pytest.raises(RuntimeError, match=r"x.new_zeros\(n\)"):
         run(tl, lambda v: torch.zeros(3))
     assert_tree_close(run(tl, lambda v: v.new_zeros(3)), run(tf, lambda v: torch.zeros(3)))
+
+
+def _write_then_sum(a):
+    y = a.clone()
+    y[..., 0].mul_(a[..., 1])  # a write through a view: autograd keeps views' bases
+    return (y.sin() * 2).sum()
+
+
+@pytest.mark.parametrize("name", ["vmap(grad)", "jvp", "jacrev", "hessian"])
+def test_memory_flat_over_repeated_autodiff_calls(name):
+    x = torch.randn(4, 3)
+    call = {
+        "vmap(grad)": lambda: tl.vmap(tl.grad(_write_then_sum))(x),
+        "jvp": lambda: tl.jvp(_write_then_sum, (x,), (x,)),
+        "jacrev": lambda: tl.jacrev(lambda a: _write_then_sum(a) * a)(x),
+        "hessian": lambda: tl.hessian(_write_then_sum)(x[0]),
+    }[name]
+    for _ in range(100):  # caches filled
+        call()
+    gc.collect()
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    for _ in range(500):  # a level class or graph kept per call would be >= 1 KiB each
+        call()
+    gc.collect()
+    after = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    assert after - before < 256 * 1024, f"memory grew by {after - before} bytes"
+    assert len(LevelTensor.__subclasses__()) == 0  # no level class kept alive
 
 
 # -- the imperative API ---------------------------------------------------------------
