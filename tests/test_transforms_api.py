@@ -944,3 +944,74 @@ def test_embedding_bag_under_grad_takes_its_differentiable_kernel(mode):
 
         torch.testing.assert_close(tl.grad(weighted, argnums=(0, 1))(w, psw),
                                    tf.grad(weighted, argnums=(0, 1))(w, psw))
+
+
+# -- the rest of torch.func's names ---------------------------------------------------
+
+def test_every_torch_func_name_imports_from_torchlevels():
+    missing = [name for name in tf.__all__ if not hasattr(tl, name)]
+    assert not missing, missing
+
+
+def _functional_write(a):
+    y = a.clone()
+    y[0].mul_(2)
+    y.add_(1)
+    return y.sin()
+
+
+@pytest.mark.parametrize("outer", ["vmap", "grad", "jvp", "vmap(grad)"])
+def test_functionalize_inside_a_transform(outer):
+    x = torch.randn(3, 4)
+    run = {
+        "vmap": lambda lib: lib.vmap(lib.functionalize(_functional_write))(x),
+        "grad": lambda lib: lib.grad(lambda a: lib.functionalize(_functional_write)(a).sum())(x),
+        "jvp": lambda lib: lib.jvp(lib.functionalize(_functional_write), (x,), (x,)),
+        "vmap(grad)": lambda lib: lib.vmap(
+            lib.grad(lambda a: lib.functionalize(_functional_write)(a).sum()))(x),
+    }[outer]
+    assert_tree_close(run(tl), run(tf))
+
+
+@pytest.mark.parametrize("inner", ["vmap", "grad", "jacrev"])
+def test_functionalize_around_a_transform_is_refused(inner):
+    # PyTorch crashes the interpreter running vmap's ops on functionalize's tensors
+    f = {"vmap": tl.vmap(_functional_write),
+         "grad": tl.grad(lambda a: _functional_write(a).sum()),
+         "jacrev": tl.jacrev(_functional_write)}[inner]
+    with pytest.raises(RuntimeError, match=rf"{inner if inner != 'jacrev' else 'vjp'}"
+                       r"\(functionalize\(f\)\)"):
+        tl.functionalize(f)(torch.randn(3, 4))
+
+
+def test_rearrange_under_vmap_and_grad():
+    x = torch.randn(5, 2, 3, 4)
+    g = lambda a: tl.rearrange(a, "c h w -> (h w) c").sin()
+    assert_tree_close(tl.vmap(g)(x), tf.vmap(g)(x))
+    assert_tree_close(tl.grad(lambda a: g(a).sum())(x[0]), tf.grad(lambda a: g(a).sum())(x[0]))
+
+
+def test_debug_unwrap_gives_the_tensor_under_each_level():
+    x = torch.randn(4, 3)
+    seen = {}
+
+    def f(a):
+        seen["all"] = tl.debug_unwrap(a)
+        seen["one"] = tl.debug_unwrap(a, recurse=False)
+        return a * 2
+
+    tl.vmap(tl.grad(lambda a: f(a).sum()))(x)
+    assert type(seen["all"]) is torch.Tensor and seen["all"].shape == (4, 3)
+    torch.testing.assert_close(seen["all"], x)
+    assert isinstance(seen["one"], LevelTensor)  # the batched tensor under the grad level
+    assert tl.debug_unwrap(x) is x
+
+
+def test_replace_all_batch_norm_modules_lets_vmap_run_batch_norm_in_training():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    tl.replace_all_batch_norm_modules_(model)
+    params = dict(model.named_parameters())
+    x = torch.randn(5, 2, 3)
+    run = lambda lib: lib.vmap(lambda a: lib.functional_call(model, params, (a,)))(x)
+    assert_tree_close(run(tl), run(tf))

@@ -1,5 +1,8 @@
 """torchlevels: composable function transforms where every level is a fresh Tensor subclass."""
 
+# torch.func's own: plain utilities, and functionalize, which runs inside levels
+from torch.func import functionalize, rearrange, replace_all_batch_norm_modules_
+
 from torchlevels._level import (
     EscapedTensorError,
     Level,
@@ -19,6 +22,7 @@ from torchlevels.tools import (
     trace,
 )
 from torchlevels.transforms import (
+    debug_unwrap,
     functional_call,
     grad,
     grad_and_value,
@@ -42,8 +46,10 @@ __all__ = [
     "VmapInfo",
     "compile",
     "count_flops",
+    "debug_unwrap",
     "enter_level",
     "functional_call",
+    "functionalize",
     "grad",
     "grad_and_value",
     "grad_level",
@@ -54,7 +60,9 @@ __all__ = [
     "jvp_level",
     "linearize",
     "log_ops",
+    "rearrange",
     "register_batching_rule",
+    "replace_all_batch_norm_modules_",
     "stack_module_state",
     "trace",
     "vjp",

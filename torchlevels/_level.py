@@ -76,6 +76,17 @@ class Level:
         return f"{self.kind} (created at {self.where})"
 
 
+def refuse_functional(api: str, tensor: torch.Tensor) -> None:
+    """Inputs of torch.func.functionalize cannot enter a level: PyTorch crashes (vmap) or
+    misreports (grad) running a level's ops on them."""
+    if torch._is_functional_tensor(tensor):
+        raise RuntimeError(
+            f"{api}: got an input made by torch.func.functionalize, which cannot run around "
+            f"a torchlevels transform. Put functionalize inside it instead: "
+            f"{api}(functionalize(f))."
+        )
+
+
 def _user_frame() -> str:
     """The innermost stack frame outside torchlevels, torch and contextlib: the user's."""
     frame = sys._getframe(1)

@@ -20,7 +20,7 @@ from torch.func import functional_call, stack_module_state
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from torchlevels._dim_inputs import accepts_dims
-from torchlevels._level import LevelTensor, enclosing_classes, innermost
+from torchlevels._level import LevelTensor, enclosing_classes, innermost, refuse_functional
 from torchlevels.autodiff import (
     CapturedMutationError,
     GradLevel,
@@ -42,6 +42,8 @@ def _inputs(api: str, flat: list, dtype_error: type[Exception] = RuntimeError) -
     for t in flat:
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{api}: Thing passed to transform API must be Tensor, got {type(t)}")
+        if api in ("grad", "vjp"):  # (jvp and jacfwd work inside functionalize)
+            refuse_functional(api, t)
         if not (t.is_floating_point() or t.is_complex()):
             raise dtype_error(
                 f"{api}: inputs must be floating-point or complex Tensors to be "
@@ -492,3 +494,24 @@ def hessian(func: Callable, argnums: int | tuple[int, ...] = 0) -> Callable:
         return jac(*args, **kwargs)
 
     return accepts_dims(wrapper)
+
+
+def debug_unwrap(tensor: torch.Tensor, *, recurse: bool = True) -> torch.Tensor:
+    """The tensor under a level's tensor (all levels' with ``recurse``), as
+    torch.func.debug_unwrap: for looking at values in a debugger, not for computing with.
+
+    A batched tensor's inner tensor holds the whole batch, its batch dim where vmap put it.
+
+    Example::
+
+        >>> import torch
+        >>> from torchlevels import debug_unwrap, vmap
+        >>> vmap(lambda x: print(debug_unwrap(x).shape) or x)(torch.zeros(4, 3)).shape
+        torch.Size([4, 3])
+        torch.Size([4, 3])
+    """
+    while isinstance(tensor, LevelTensor):
+        tensor = tensor._inner
+        if not recurse:
+            break
+    return tensor

@@ -25,6 +25,7 @@ from torchlevels._level import (
     autograd_on,
     entered,
     new_level_class,
+    refuse_functional,
     set_logical_meta,
 )
 from torchlevels.batching import predispatch, shortcuts
@@ -308,6 +309,7 @@ def _flat_inputs(func, in_dims, args) -> tuple[list, list, Any, int]:
     if type(in_dims) is int and args and all(type(a) is torch.Tensor for a in args):
         sizes = set()
         for a in args:
+            refuse_functional("vmap", a)
             if not -a.dim() <= in_dims < a.dim():
                 break  # the general path raises the error
             sizes.add(a.shape[in_dims])
@@ -348,6 +350,7 @@ def _flat_inputs(func, in_dims, args) -> tuple[list, list, Any, int]:
                 f"but the input is of type {type(arg)}. We cannot vmap over non-Tensor "
                 "arguments, please use None as the respective in_dim"
             )
+        refuse_functional("vmap", arg)
         if not -arg.dim() <= dim < arg.dim():
             raise ValueError(
                 f"vmap({name}, in_dims={in_dims}, ...)(<inputs>): Got in_dim={dim} for some "
