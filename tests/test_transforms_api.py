@@ -1015,3 +1015,41 @@ def test_replace_all_batch_norm_modules_lets_vmap_run_batch_norm_in_training():
     x = torch.randn(5, 2, 3)
     run = lambda lib: lib.vmap(lambda a: lib.functional_call(model, params, (a,)))(x)
     assert_tree_close(run(tl), run(tf))
+
+
+# -- mixing with torch.func's transforms ----------------------------------------------
+
+_MIX_X = torch.randn(3, 4)
+
+
+@pytest.mark.parametrize("chain", ["vmap(grad)", "grad(vmap)", "grad(grad)", "jvp(grad)",
+                                   "vmap(vmap)"])
+def test_torch_func_transforms_run_inside_torchlevels_ones(chain):
+    outer_name, inner_name = chain[:-1].split("(")
+    f = lambda a: (a.sin() * 2).sum() if a.dim() == 1 else (a.sin() * 2).sum(-1)
+
+    def build(outer, inner):
+        g = {"vmap": lambda: inner.vmap(f), "grad": lambda: inner.grad(lambda a: f(a).sum())}
+        h = g[inner_name]()
+        if outer_name == "vmap":
+            return lambda x: outer.vmap(h)(x)
+        if outer_name == "grad":
+            return lambda x: outer.grad(lambda a: h(a).sum())(x)
+        return lambda x: outer.jvp(h, (x,), (x,))[1]
+
+    torch.testing.assert_close(build(tl, tf)(_MIX_X), build(tf, tf)(_MIX_X))
+
+
+@pytest.mark.parametrize("chain", ["vmap(grad)", "grad(vmap)", "grad(grad)", "jvp(grad)",
+                                   "vmap(vmap)", "grad(count_flops)"])
+def test_torchlevels_transforms_inside_torch_func_ones_are_refused(chain):
+    # before, torch.func's grad around torchlevels' grad or count_flops gave wrong gradients
+    outer_name, inner_name = chain[:-1].split("(")
+    f = lambda a: (a.sin() * 2).sum()
+    inner = {"vmap": tl.vmap(lambda a: a.sin()), "grad": tl.grad(f),
+             "count_flops": tl.count_flops(f)}[inner_name]
+    call = {"vmap": lambda: tf.vmap(inner)(_MIX_X),
+            "grad": lambda: tf.grad(lambda a: inner(a).sum())(_MIX_X),
+            "jvp": lambda: tf.jvp(inner, (_MIX_X,), (_MIX_X,))}[outer_name]
+    with pytest.raises(RuntimeError, match="take the outer transforms from torchlevels"):
+        call()

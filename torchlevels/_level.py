@@ -249,6 +249,24 @@ def new_level_class(
     return type(name, (parent,), namespace)
 
 
+_get_interpreter_stack = torch._C._functorch.get_interpreter_stack
+_TORCH_FUNC_NAMES = {"Grad": "grad/vjp", "Jvp": "jvp", "Vmap": "vmap"}
+
+
+def _refuse_inside_torch_func(level: Level) -> None:
+    """torch.func's transforms cannot enclose a level: they would see its inputs only
+    through detach-like shallow copies and give wrong gradients (functionalize can)."""
+    outer = [_TORCH_FUNC_NAMES[i.key().name] for i in _get_interpreter_stack()
+             if i.key().name in _TORCH_FUNC_NAMES]
+    if outer:
+        raise RuntimeError(
+            f"{level.kind}: a torchlevels transform was called inside torch.func's "
+            f"{', '.join(outer)}. torch.func transforms work inside torchlevels' ones but not "
+            "around them (they would give wrong gradients): take the outer transforms from "
+            "torchlevels too."
+        )
+
+
 class entered:  # lower case: used like the function it replaced, `with entered(cls)`
     """Make ``cls`` the innermost live level while the block runs; it is dead after.
 
@@ -261,6 +279,8 @@ class entered:  # lower case: used like the function it replaced, `with entered(
         self.cls = cls
 
     def __enter__(self) -> type[LevelTensor]:
+        if _get_interpreter_stack() is not None:
+            _refuse_inside_torch_func(self.cls._level)
         self.token = _innermost.set(self.cls)
         return self.cls
 
