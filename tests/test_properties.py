@@ -49,6 +49,7 @@ BINARY: dict[str, Callable] = {
     "pow": lambda x, c: (x * x + 1) ** c,
 }
 INPLACE = ("mul_", "narrow_write", "transpose_write", "unsqueeze_write")
+VIEWS = ("flatten", "transpose", "expand", "select_stack", "narrow_cat")
 FINAL: dict[str, Callable] = {
     "none": lambda x: x,
     "sum": lambda x: x.sum(),
@@ -61,7 +62,7 @@ FINAL: dict[str, Callable] = {
 class Op:
     """One op of a drawn function; ``dim`` and ``index`` are used by the ops that need them."""
 
-    kind: str  # unary, binary, reduce, matmul, softmax, index, inplace
+    kind: str  # unary, binary, reduce, matmul, softmax, index, inplace, view
     name: str = ""
     dim: int = 0
     index: tuple[int, ...] = ()
@@ -73,6 +74,8 @@ class Op:
         gets writes through a view changed in place wrong."""
         if self.kind == "inplace":
             return self._in_place(shape, gen, in_place_views)
+        if self.kind == "view":
+            return self._view(shape)
         if self.kind == "unary":
             return UNARY[self.name]
         if self.kind == "binary":
@@ -91,6 +94,18 @@ class Op:
             key = (slice(None),) * self.dim + (torch.tensor(self.index),)
             return lambda x: x[key]
         raise AssertionError(self.kind)
+
+    def _view(self, shape) -> Callable:
+        d, n = self.dim, shape[self.dim]
+        if self.name == "flatten":
+            return lambda x: x.reshape(-1).cos().reshape(x.shape)
+        if self.name == "transpose":
+            return lambda x: (x.transpose(0, -1) * 2).transpose(0, -1)
+        if self.name == "expand":
+            return lambda x: x.unsqueeze(0).expand(2, *x.shape).sum(0)
+        if self.name == "select_stack":
+            return lambda x: torch.stack([x.select(d, i).sin() for i in range(n)], d)
+        return lambda x: torch.cat([x.narrow(d, 1, n - 1), x.narrow(d, 0, 1)], d)  # narrow_cat
 
     def _in_place(self, shape, gen, in_place_views: bool) -> Callable:
         d = self.dim
@@ -117,10 +132,12 @@ class Op:
 @st.composite
 def ops(draw, shape: tuple[int, ...]) -> Op:
     kind = draw(st.sampled_from(
-        ["unary", "binary", "reduce", "matmul", "softmax", "index", "inplace"]))
+        ["unary", "binary", "reduce", "matmul", "softmax", "index", "inplace", "view"]))
     dim = draw(st.integers(0, len(shape) - 1))
     if kind == "inplace":
         return Op(kind, draw(st.sampled_from(INPLACE)), dim)
+    if kind == "view":
+        return Op(kind, draw(st.sampled_from(VIEWS)), dim)
     if kind == "unary":
         return Op(kind, draw(st.sampled_from(sorted(UNARY))))
     if kind == "binary":
