@@ -1053,3 +1053,26 @@ def test_torchlevels_transforms_inside_torch_func_ones_are_refused(chain):
             "jvp": lambda: tf.jvp(inner, (_MIX_X,), (_MIX_X,))}[outer_name]
     with pytest.raises(RuntimeError, match="take the outer transforms from torchlevels"):
         call()
+
+
+# -- inference mode -------------------------------------------------------------------
+
+@pytest.mark.parametrize("api", ["grad", "jvp", "vmap(grad)", "jacrev", "jacfwd", "hessian"])
+@pytest.mark.parametrize("made_in_inference", [False, True], ids=["normal", "inference"])
+def test_transforms_differentiate_inside_inference_mode(api, made_in_inference):
+    # torch.func differentiates there; the levels used to return zeros without a word
+    x = torch.randn(3, 3)
+    with torch.inference_mode():
+        captured = torch.randn(3, 3)  # an inference tensor, saved by mul's backward
+        if made_in_inference:
+            x = x.clone()
+        f = lambda a: (a.sin() * captured).sum(0)
+        run = {
+            "grad": lambda lib: lib.grad(lambda a: f(a).sum())(x),
+            "jvp": lambda lib: lib.jvp(f, (x,), (torch.ones_like(x),)),
+            "vmap(grad)": lambda lib: lib.vmap(lib.grad(lambda a: f(a).sum()))(x),
+            "jacrev": lambda lib: lib.jacrev(f)(x),
+            "jacfwd": lambda lib: lib.jacfwd(f)(x),
+            "hessian": lambda lib: lib.hessian(lambda a: (f(a) ** 2).sum())(x),
+        }[api]
+        assert_tree_close(run(tl), run(tf))

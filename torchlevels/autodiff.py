@@ -59,6 +59,21 @@ def shallow_copy(t: Any) -> Any:
     return t
 
 
+def _normal(t: torch.Tensor) -> torch.Tensor:
+    """A tensor made under inference_mode as a normal one (a copy), which autograd and forward
+    AD can use; any other tensor as it is."""
+    return t.clone() if t.is_inference() else t
+
+
+def _normal_arg(a: Any) -> Any:
+    """An op's argument with any tensor made under inference_mode as a normal copy."""
+    if isinstance(a, torch.Tensor):
+        return _normal(a)
+    if type(a) in (list, tuple):
+        return type(a)(map(_normal_arg, a))
+    return a
+
+
 def _wrap(cls, inner: torch.Tensor, tangent: torch.Tensor | None = None) -> torch.Tensor:
     out = wrap_inner(cls, inner)
     out._tangent = tangent
@@ -97,7 +112,7 @@ class GradLevel(Level):
             raise TypeError(f"{cls.__name__}(t): t must be a Tensor, got {type(tensor)}")
         if tensor.requires_grad and not isinstance(tensor, LevelTensor):
             return wrap_inner(cls, tensor.view_as(tensor))  # keeps its history for autograd outside
-        leaf = shallow_copy(tensor)
+        leaf = _normal(tensor) if tensor.is_inference() else shallow_copy(tensor)
         leaf.requires_grad_()
         return wrap_inner(cls, leaf)
 
@@ -120,7 +135,13 @@ class GradLevel(Level):
                 return _rebind_to_view(args[0], view, inner_args, inner_kwargs)
         func = _DIFFERENTIABLE_KERNEL.get(func, func)
         with autograd_on():  # autograd on again for the inner tensors, as the user set it
-            out = func(*inner_args, **inner_kwargs)
+            try:
+                out = func(*inner_args, **inner_kwargs)
+            except RuntimeError as e:  # a captured tensor made under inference_mode
+                if inplace or "Inference tensors cannot be saved" not in str(e):
+                    raise
+                out = func(*map(_normal_arg, inner_args),
+                           **{k: _normal_arg(v) for k, v in inner_kwargs.items()})
             if not inplace:
                 out = _resolve_lazy_bits(out)  # recorded by autograd, so inside the block
         if inplace:
@@ -166,7 +187,7 @@ class JvpLevel(Level):
 
     def wrap(self, cls, primal: torch.Tensor, tangent: torch.Tensor) -> torch.Tensor:
         """``J(primal, tangent)``: a tensor of this level."""
-        return _wrap(cls, primal, tangent)
+        return _wrap(cls, _normal(primal), _normal(tangent))
 
     def unwrap(self, cls, tensor: Any) -> tuple[Any, Any]:
         """(primal, tangent) one level out; a constant has a zero tangent."""
@@ -303,6 +324,15 @@ def _dual_level() -> Iterator[int]:
         yield fwAD._current_level
 
 
+def _inference_mode_off() -> contextlib.AbstractContextManager:
+    """Inference mode off for a level's block, as torch.func's transforms differentiate
+    inside it; nothing otherwise (``inference_mode(False)`` also turns grad mode on)."""
+    return torch.inference_mode(False) if torch.is_inference_mode_enabled() else _NOTHING
+
+
+_NOTHING = contextlib.nullcontext()
+
+
 @contextlib.contextmanager
 def grad_level(name: str = "grad") -> Iterator[type[LevelTensor]]:
     """Enter a fresh grad level; yields its class ``G``.
@@ -326,7 +356,8 @@ def grad_level(name: str = "grad") -> Iterator[type[LevelTensor]]:
     level.nested_in_grad = any(
         isinstance(c._level, GradLevel) for c in enclosing_classes(cls.__base__)
     )
-    with entered(cls), torch.enable_grad():  # grad(f) inside no_grad still differentiates
+    # grad(f) inside no_grad or inference_mode still differentiates, as torch.func's does
+    with entered(cls), _inference_mode_off(), torch.enable_grad():
         yield cls
 
 
@@ -346,5 +377,5 @@ def jvp_level() -> Iterator[type[LevelTensor]]:
     """
     level = JvpLevel()
     cls = new_level_class(level, "DualTensor")
-    with entered(cls), _dual_level():
+    with entered(cls), _inference_mode_off(), _dual_level():
         yield cls
