@@ -454,6 +454,20 @@ def test_the_in_place_view_oracle_is_right():
         torch.testing.assert_close(tl.jvp(f, (x,), (t,))[1], finite, rtol=1e-6, atol=1e-6)
 
 
+def _detach_inside(x):
+    return (x * x.detach().cos() + (x * 2).detach()).sin()
+
+
+@pytest.mark.parametrize("chain", [("jvp",), ("jacfwd",), ("vmap", "jvp"), ("jvp", "vmap"),
+                                   ("jvp", "grad"), ("grad", "jvp"), ("jacfwd", "jacrev"),
+                                   ("jvp", "jvp")], ids=str)
+def test_detach_stops_forward_mode_tangents(chain):
+    # a detached view of a tensor with a tangent once took its base's tangent back
+    x = torch.randn(*(3,) * (1 + chain.count("vmap")), dtype=DTYPE)
+    torch.testing.assert_close(compose(tl, chain, _detach_inside)(x),
+                               compose(ft, chain, _detach_inside)(x))
+
+
 def _write_through_alias(x):
     y = x.clone()
     y[...].mul_(x.cos())  # its gradient is the cotangent itself, written through a view

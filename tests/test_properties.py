@@ -40,6 +40,7 @@ UNARY: dict[str, Callable] = {
     "sigmoid": torch.sigmoid,
     "square": lambda x: x * x,
     "abs": torch.abs,
+    "detach_mul": lambda x: x * x.detach().cos(),  # a gradient stop inside
 }
 BINARY: dict[str, Callable] = {
     "mul": torch.mul,

@@ -218,7 +218,9 @@ class JvpLevel(Level):
                 return _update_inplace(args[0], *_unpack_dual(dual_args[0], level=level))
             out = _from_dual(cls, out, level)
         if (returns_view(func) and type(args[0]) is cls and isinstance(out, torch.Tensor)
-                and out._tangent is None):  # a view of a tensor with no tangent (yet)
+                and out._tangent is None and _view_tangent(args[0]) is None):
+            # a view of a tensor with no tangent yet (not a non-differentiable view of one
+            # with a tangent, like detach)
             out._view_of = (args[0], [(func, args[1:], kwargs)])
         return out
 
