@@ -112,7 +112,7 @@ class GradLevel(Level):
             raise TypeError(f"{cls.__name__}(t): t must be a Tensor, got {type(tensor)}")
         if tensor.requires_grad and not isinstance(tensor, LevelTensor):
             return wrap_inner(cls, tensor.view_as(tensor))  # keeps its history for autograd outside
-        leaf = _normal(tensor) if tensor.is_inference() else shallow_copy(tensor)
+        leaf = tensor.clone() if tensor.is_inference() else shallow_copy(tensor)
         leaf.requires_grad_()
         return wrap_inner(cls, leaf)
 
