@@ -40,6 +40,7 @@ from torchlevels._level import (
     wrap_all,
     wrap_inner,
 )
+from torchlevels.batching import predispatch
 from torchlevels.batching.registry import out_of_place_view, returns_view, writes_first_argument
 
 # A composite op that picks a kernel without a derivative when no argument requires grad,
@@ -78,6 +79,11 @@ def _wrap(cls, inner: torch.Tensor, tangent: torch.Tensor | None = None) -> torc
     out = wrap_inner(cls, inner)
     out._tangent = tangent
     return out
+
+
+def constant(cls, t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a tensor of grad or jvp level ``cls`` that does not depend on its inputs."""
+    return _wrap(cls, t) if isinstance(cls._level, JvpLevel) else wrap_inner(cls, t)
 
 
 class CapturedMutationError(RuntimeError):
@@ -359,7 +365,7 @@ def grad_level(name: str = "grad") -> Iterator[type[LevelTensor]]:
         isinstance(c._level, GradLevel) for c in enclosing_classes(cls.__base__)
     )
     # grad(f) inside no_grad or inference_mode still differentiates, as torch.func's does
-    with entered(cls), _inference_mode_off(), torch.enable_grad():
+    with entered(cls), _inference_mode_off(), torch.enable_grad(), predispatch.hook():
         yield cls
 
 
@@ -379,5 +385,5 @@ def jvp_level() -> Iterator[type[LevelTensor]]:
     """
     level = JvpLevel()
     cls = new_level_class(level, "DualTensor")
-    with entered(cls), _inference_mode_off(), _dual_level():
+    with entered(cls), _inference_mode_off(), _dual_level(), predispatch.hook():
         yield cls

@@ -46,11 +46,28 @@ def pointwise_rule(func, args, dims, kwargs):
         raise_inplace_unbatched_self(func)
     promote = scalar_batched and len(dtypes) > 1
     if fast and not promote:
-        return func(*args, **kwargs), 0
+        return _broadcasting(func, args, kwargs), 0
     phys = [pad_to_rank(to_front(a, d), rank) if d is not None else a for a, d in zip(args, dims)]
     if promote:
         phys = _promote_batched_scalars(phys, args, dims)
-    return func(*phys, **kwargs), 0
+    return _broadcasting(func, phys, kwargs), 0
+
+
+def _broadcasting(func, args, kwargs):
+    """``func(*args)``, its tensors expanded to one shape where the kernel rejects
+    broadcasting them (float32 gelu_backward on the CPU, through oneDNN)."""
+    try:
+        return func(*args, **kwargs)
+    except RuntimeError as error:
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        if writes_first_argument(func) or len({t.shape for t in tensors}) < 2:
+            raise
+        try:
+            expanded = iter(torch.broadcast_tensors(*tensors))
+        except RuntimeError:
+            raise error from None
+        return func(*[next(expanded) if isinstance(a, torch.Tensor) else a for a in args],
+                    **kwargs)
 
 
 def _promote_batched_scalars(phys, args, dims):
