@@ -468,3 +468,23 @@ def test_gelu_in_float32(transform):
     x = torch.randn(6)
     f = lambda a: (torch.nn.functional.gelu(a) ** 2).sum()
     torch.testing.assert_close(getattr(tl, transform)(f)(x), getattr(tf, transform)(f)(x))
+
+
+@pytest.mark.parametrize("transform", ["grad", "jacrev", "vmap(grad)"])
+def test_an_eval_mode_transformer_layer_differentiates_with_respect_to_its_input(transform):
+    # in eval mode it takes a fused inference kernel without derivatives when no argument
+    # requires grad, and a level's tensors never do: levels turn that fast path off (jvp
+    # is left out: PyTorch's CPU attention has no forward AD, torch.func raises too)
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True).eval()
+    params = {k: v.detach() for k, v in layer.named_parameters()}
+    x = torch.randn(2, 5, 8)
+
+    def run(lib):
+        f = lambda xi: lib.functional_call(layer, params, (xi.unsqueeze(0),)).square().mean()
+        if transform == "vmap(grad)":
+            return lib.vmap(lib.grad(f))(x)
+        return getattr(lib, transform)(f)(x[0])
+
+    assert_tree_close(run(tl), run(tf))
+    assert torch.backends.mha.get_fastpath_enabled()  # PyTorch's switch is back on

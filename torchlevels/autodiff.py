@@ -341,6 +341,22 @@ def _inference_mode_off() -> contextlib.AbstractContextManager:
 _NOTHING = contextlib.nullcontext()
 
 
+class _no_fused_inference:  # lower case: used like a function, `with _no_fused_inference()`
+    """nn.TransformerEncoderLayer and nn.MultiheadAttention off their fused inference
+    kernels, which have no derivatives: they take them in eval mode when no argument
+    requires grad, and a level's tensors never do (autograd runs on their inner tensors).
+    The switch is PyTorch's one, process-wide, restored on exit."""
+
+    __slots__ = ("before",)
+
+    def __enter__(self) -> None:
+        self.before = torch.backends.mha.get_fastpath_enabled()
+        torch.backends.mha.set_fastpath_enabled(False)
+
+    def __exit__(self, *exc: object) -> None:
+        torch.backends.mha.set_fastpath_enabled(self.before)
+
+
 @contextlib.contextmanager
 def grad_level(name: str = "grad") -> Iterator[type[LevelTensor]]:
     """Enter a fresh grad level; yields its class ``G``.
@@ -365,7 +381,8 @@ def grad_level(name: str = "grad") -> Iterator[type[LevelTensor]]:
         isinstance(c._level, GradLevel) for c in enclosing_classes(cls.__base__)
     )
     # grad(f) inside no_grad or inference_mode still differentiates, as torch.func's does
-    with entered(cls), _inference_mode_off(), torch.enable_grad(), predispatch.hook():
+    with (entered(cls), _inference_mode_off(), torch.enable_grad(), predispatch.hook(),
+          _no_fused_inference()):
         yield cls
 
 
@@ -385,5 +402,6 @@ def jvp_level() -> Iterator[type[LevelTensor]]:
     """
     level = JvpLevel()
     cls = new_level_class(level, "DualTensor")
-    with entered(cls), _inference_mode_off(), _dual_level(), predispatch.hook():
+    with (entered(cls), _inference_mode_off(), _dual_level(), predispatch.hook(),
+          _no_fused_inference()):
         yield cls
