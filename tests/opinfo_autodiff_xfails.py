@@ -20,8 +20,6 @@ CRASHES: dict[str, dict[str, str]] = {}
 # block per cause (delete a block when its cause is fixed).
 XFAILS: dict[str, dict[str, str]] = {
     'grad': {
-        **_each('both: torch.func fails too: RuntimeError: In order to use an autograd.Function with functorch transforms (vmap, grad, ',
-            'nn.functional.linear_cross_entropy.chunked'),
         **_each('both: torch.func fails too: RuntimeError: Sparse CSR tensors do not have strides',
             'sparse.mm.reduce', 'sparse.sampled_addmm'),
     },
@@ -30,7 +28,7 @@ XFAILS: dict[str, dict[str, str]] = {
         **_each('both: torch.func fails too: result 3: Tensor-likes are not close!; Mismatched elements: 18 / 36 (50.0%); Greatest abso',
             'native_group_norm'),
         **_each('both: torch.func fails too: RuntimeError: In order to use an autograd.Function with functorch transforms (vmap, grad, ',
-            'nn.functional.linear_cross_entropy.chunked', 'nn.functional.linear_cross_entropy.chunked_none'),
+            'nn.functional.linear_cross_entropy.chunked_none'),
     },
     'jacfwd': {
         **_each('core: forward-AD view of a level tensor: has_fw_view INTERNAL ASSERT',

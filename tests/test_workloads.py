@@ -488,3 +488,24 @@ def test_an_eval_mode_transformer_layer_differentiates_with_respect_to_its_input
 
     assert_tree_close(run(tl), run(tf))
     assert torch.backends.mha.get_fastpath_enabled()  # PyTorch's switch is back on
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_chunked_linear_cross_entropy_gradients(reduction):
+    # its chunked path (options=) is told which gradients to compute from requires_grad,
+    # which a level's tensors do not report: it returned zero gradients. torch.func
+    # refuses the path, so the reference is torch.func on the unchunked one (same math)
+    torch.manual_seed(0)
+    x, w, b = torch.randn(8, 6), torch.randn(5, 6), torch.randn(5)
+    t = torch.randint(0, 5, (8,))
+    options = nn.LinearCrossEntropyOptions(batch_chunk_size=3)
+
+    def f(xi, wi, bi, opts):
+        return F.linear_cross_entropy(xi, wi, t, linear_bias=bi, reduction=reduction,
+                                      options=opts).sum()
+
+    assert_tree_close(tl.grad(f, argnums=(0, 1, 2))(x, w, b, options),
+                      tf.grad(f, argnums=(0, 1, 2))(x, w, b, None))
+    per_example = lambda lib, opts: lib.vmap(lib.grad(
+        lambda xi, ti: F.linear_cross_entropy(xi, w, ti, options=opts)))(x, t)
+    assert_tree_close(per_example(tl, options), per_example(tf, None))

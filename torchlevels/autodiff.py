@@ -41,7 +41,12 @@ from torchlevels._level import (
     wrap_inner,
 )
 from torchlevels.batching import predispatch
-from torchlevels.batching.registry import out_of_place_view, returns_view, writes_first_argument
+from torchlevels.batching.registry import (
+    gradient_flags,
+    out_of_place_view,
+    returns_view,
+    writes_first_argument,
+)
 
 # A composite op that picks a kernel without a derivative when no argument requires grad,
 # which a grad level's wrappers never do (autograd runs on their inner tensors): the
@@ -139,6 +144,9 @@ class GradLevel(Level):
         if view is not None and not _is_tracked_leaf(inner_args[0]):
             with autograd_on():
                 return _rebind_to_view(args[0], view, inner_args, inner_kwargs)
+        for flag, i in gradient_flags(func):  # decided from requires_grad, which a level's
+            if flag < len(args) and i < len(args) and type(args[i]) is cls:  # tensors lack
+                inner_args[flag] = True
         func = _DIFFERENTIABLE_KERNEL.get(func, func)
         with autograd_on():  # autograd on again for the inner tensors, as the user set it
             try:

@@ -195,12 +195,31 @@ def out_of_place_view(func: OpOverload) -> OpOverload | None:
     return _view_of_inplace_view[key]
 
 
+def gradient_flags(func: OpOverload) -> tuple[tuple[int, int], ...]:
+    """For an op told which gradients to compute (``compute_input_grad``, decided by the
+    caller from ``input.requires_grad``): (flag position, tensor position) pairs.
+
+    Cached by ``id(func)``, like :func:`writes_first_argument`.
+    """
+    found = _gradient_flags.get(id(func))
+    if found is None:
+        names = [a.name for a in func._schema.arguments]
+        found = _gradient_flags[id(func)] = tuple(
+            (i, names.index(n[len("compute_"):-len("_grad")]))
+            for i, n in enumerate(names)
+            if n.startswith("compute_") and n.endswith("_grad")
+            and n[len("compute_"):-len("_grad")] in names
+        )
+    return found
+
+
 def _signature(func: OpOverload) -> list[tuple[str, str]]:
     return [(a.name, str(a.type)) for a in func._schema.arguments]
 
 
 _writes_first: dict[int, bool] = {}
 _view_of_inplace_view: dict[int, OpOverload | None] = {}
+_gradient_flags: dict[int, tuple[tuple[int, int], ...]] = {}
 _returns_view: dict[int, bool] = {}
 _written: dict[int, tuple[int | None, ...]] = {}
 
