@@ -63,11 +63,16 @@ def _broadcasting(func, args, kwargs):
         if writes_first_argument(func) or len({t.shape for t in tensors}) < 2:
             raise
         try:
-            expanded = iter(torch.broadcast_tensors(*tensors))
+            expanded = _broadcast(args)
         except RuntimeError:
             raise error from None
-        return func(*[next(expanded) if isinstance(a, torch.Tensor) else a for a in args],
-                    **kwargs)
+        return func(*expanded, **kwargs)
+
+
+def _broadcast(args) -> list:
+    """``args`` with their tensors expanded to their one broadcast shape."""
+    tensors = iter(torch.broadcast_tensors(*(a for a in args if isinstance(a, torch.Tensor))))
+    return [next(tensors) if isinstance(a, torch.Tensor) else a for a in args]
 
 
 def _promote_batched_scalars(phys, args, dims):
@@ -121,13 +126,11 @@ def prims_where(func, args, dims, kwargs):
     """``prims.where(pred, a, b)``: elementwise, but its tensors must have one shape (no
     broadcasting), so every one is batched at the front and expanded to the same shape."""
     size = batch_size(args, dims)
-    tensors = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
-    rank = max(args[i].dim() - (dims[i] is not None) for i in tensors)
-    padded = [pad_to_rank(materialize(args[i], dims[i], size), rank) for i in tensors]
-    phys = list(args)
-    for i, t in zip(tensors, torch.broadcast_tensors(*padded)):
-        phys[i] = t
-    return func(*phys, **kwargs), 0
+    rank = max(a.dim() - (d is not None) for a, d in zip(args, dims)
+               if isinstance(a, torch.Tensor))
+    phys = [pad_to_rank(materialize(a, d, size), rank) if isinstance(a, torch.Tensor) else a
+            for a, d in zip(args, dims)]
+    return func(*_broadcast(phys), **kwargs), 0
 
 
 @register(aten.copy.default)

@@ -17,6 +17,7 @@ else for its packet) > a family rule (pointwise, reduction, ...) > a decompositi
 from __future__ import annotations
 
 import enum
+import functools
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -132,96 +133,74 @@ def _resolve(func: OpOverload) -> Resolved:
     return Resolved(How.LOOP, loop_rule, inplace=inplace)
 
 
+def _per_op(compute: Callable[[OpOverload], Any]) -> Callable[[OpOverload], Any]:
+    """``compute(func)``, cached by ``id(func)``: levels ask these on every op."""
+    cache: dict[int, Any] = {}
+
+    @functools.wraps(compute)
+    def lookup(func: OpOverload) -> Any:
+        key = id(func)
+        try:
+            return cache[key]
+        except KeyError:
+            found = cache[key] = compute(func)
+            return found
+
+    return lookup
+
+
+@_per_op
 def writes_first_argument(func: OpOverload) -> bool:
-    """Whether ``func`` writes its first argument in place (``add_``, ``copy_``, ``normal_``).
-
-    Cached by ``id(func)``: levels ask it on every op.
-    """
-    found = _writes_first.get(id(func))
-    if found is None:
-        first = func._schema.arguments[0].alias_info if func._schema.arguments else None
-        found = _writes_first[id(func)] = bool(first and first.is_write)
-    return found
+    """Whether ``func`` writes its first argument in place (``add_``, ``copy_``, ``normal_``)."""
+    first = func._schema.arguments[0].alias_info if func._schema.arguments else None
+    return bool(first and first.is_write)
 
 
+@_per_op
 def returns_view(func: OpOverload) -> bool:
-    """Whether ``func`` returns a view of an argument (slice, select, view, split...).
-
-    Cached by ``id(func)``, like :func:`writes_first_argument`.
-    """
-    found = _returns_view.get(id(func))
-    if found is None:
-        found = _returns_view[id(func)] = any(
-            r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns
-        )
-    return found
+    """Whether ``func`` returns a view of an argument (slice, select, view, split...)."""
+    return any(r.alias_info is not None and not r.alias_info.is_write
+               for r in func._schema.returns)
 
 
+@_per_op
 def written_arguments(func: OpOverload) -> tuple[int | None, ...]:
     """For each output of ``func``: the position of the argument it writes and returns
-    (an in-place or out= op's), else None.
-
-    Cached by ``id(func)``, like :func:`writes_first_argument`.
-    """
-    found = _written.get(id(func))
-    if found is None:
-        schema = func._schema
-        found = _written[id(func)] = tuple(
-            next((k for k, a in enumerate(schema.arguments)
-                  if r.alias_info is not None and r.alias_info.is_write
-                  and a.alias_info is not None
-                  and a.alias_info.before_set == r.alias_info.before_set), None)
-            for r in schema.returns)
-    return found
+    (an in-place or out= op's), else None."""
+    schema = func._schema
+    return tuple(
+        next((k for k, a in enumerate(schema.arguments)
+              if r.alias_info is not None and r.alias_info.is_write
+              and a.alias_info is not None
+              and a.alias_info.before_set == r.alias_info.before_set), None)
+        for r in schema.returns)
 
 
+@_per_op
 def out_of_place_view(func: OpOverload) -> OpOverload | None:
     """The view op that ``func`` does in place if it only changes metadata (``t_`` ->
-    ``t``, ``squeeze_.dim`` -> ``squeeze.dim``), else None.
-
-    Cached by ``id(func)``, like :func:`writes_first_argument`.
-    """
-    key = id(func)
-    if key not in _view_of_inplace_view:
-        name = func.overloadpacket.__name__
-        view = None
-        if torch.Tag.inplace_view in func.tags and name.endswith("_"):
-            packet = getattr(torch.ops.aten, name[:-1], None)
-            signature = _signature(func)
-            view = next((getattr(packet, o) for o in (packet.overloads() if packet else ())
-                         if _signature(getattr(packet, o)) == signature
-                         and returns_view(getattr(packet, o))), None)
-        _view_of_inplace_view[key] = view
-    return _view_of_inplace_view[key]
+    ``t``, ``squeeze_.dim`` -> ``squeeze.dim``), else None."""
+    name = func.overloadpacket.__name__
+    if torch.Tag.inplace_view not in func.tags or not name.endswith("_"):
+        return None
+    packet = getattr(torch.ops.aten, name[:-1], None)
+    candidates = (getattr(packet, o) for o in (packet.overloads() if packet else ()))
+    return next((view for view in candidates
+                 if _signature(view) == _signature(func) and returns_view(view)), None)
 
 
+@_per_op
 def gradient_flags(func: OpOverload) -> tuple[tuple[int, int], ...]:
     """For an op told which gradients to compute (``compute_input_grad``, decided by the
-    caller from ``input.requires_grad``): (flag position, tensor position) pairs.
-
-    Cached by ``id(func)``, like :func:`writes_first_argument`.
-    """
-    found = _gradient_flags.get(id(func))
-    if found is None:
-        names = [a.name for a in func._schema.arguments]
-        found = _gradient_flags[id(func)] = tuple(
-            (i, names.index(n[len("compute_"):-len("_grad")]))
-            for i, n in enumerate(names)
-            if n.startswith("compute_") and n.endswith("_grad")
-            and n[len("compute_"):-len("_grad")] in names
-        )
-    return found
+    caller from ``input.requires_grad``): (flag position, tensor position) pairs."""
+    names = [a.name for a in func._schema.arguments]
+    flagged = [(i, n.removeprefix("compute_").removesuffix("_grad")) for i, n in enumerate(names)
+               if n.startswith("compute_") and n.endswith("_grad")]
+    return tuple((i, names.index(arg)) for i, arg in flagged if arg in names)
 
 
 def _signature(func: OpOverload) -> list[tuple[str, str]]:
     return [(a.name, str(a.type)) for a in func._schema.arguments]
-
-
-_writes_first: dict[int, bool] = {}
-_view_of_inplace_view: dict[int, OpOverload | None] = {}
-_gradient_flags: dict[int, tuple[tuple[int, int], ...]] = {}
-_returns_view: dict[int, bool] = {}
-_written: dict[int, tuple[int | None, ...]] = {}
 
 
 def _is_inplace(func: OpOverload) -> bool:
