@@ -658,6 +658,93 @@ def test_backward_through_a_transform_matches_torch_func(case):
     torch.testing.assert_close(x.grad, x_f.grad)
 
 
+def _weighted(w):
+    return lambda v: ((v * w).sin() ** 2).sum()
+
+
+def _elementwise(w):
+    return lambda v: (v * w).sin() ** 2
+
+
+# the function captures w, a tensor that autograd outside tracks: torch.func's results
+# carry w's history, so autograd on top differentiates through the transform
+CAPTURED_ON_TOP = {
+    "grad": lambda lib, w: lib.grad(_weighted(w))(X).sum(),
+    "grad plus w": lambda lib, w: lib.grad(_weighted(w))(X).sum() + w.sum(),
+    "grad_and_value value": lambda lib, w: lib.grad_and_value(_weighted(w))(X)[1],
+    "vjp output": lambda lib, w: lib.vjp(_elementwise(w), X)[0].sum(),
+    "vjp_fn": lambda lib, w: lib.vjp(_elementwise(w), X)[1](Y)[0].sum(),
+    "jvp tangent": lambda lib, w: lib.jvp(_elementwise(w), (X,), (Y,))[1].sum(),
+    "jacrev": lambda lib, w: lib.jacrev(_elementwise(w))(X).sum(),
+    "jacfwd": lambda lib, w: lib.jacfwd(_elementwise(w))(X).sum(),
+    "hessian": lambda lib, w: lib.hessian(_weighted(w))(X).sum(),
+    "vmap(grad)": lambda lib, w: lib.vmap(lib.grad(_weighted(w)))(X.expand(3, -1)).sum(),
+    "grad(grad)": lambda lib, w: lib.grad(lambda v: lib.grad(_weighted(w))(v).sum())(X).sum(),
+    "vmap(jacrev)": lambda lib, w: lib.vmap(lib.jacrev(_elementwise(w)))(X.expand(3, -1)).sum(),
+}
+
+
+@pytest.mark.parametrize("case", list(CAPTURED_ON_TOP))
+def test_backward_through_a_captured_tensor_matches_torch_func(case):
+    w, w_f = leaf(), leaf()
+    (d,) = torch.autograd.grad(CAPTURED_ON_TOP[case](tl, w), w)
+    (d_f,) = torch.autograd.grad(CAPTURED_ON_TOP[case](tf, w_f), w_f)
+    torch.testing.assert_close(d, d_f)
+
+
+def test_linearize_keeps_the_history_of_a_captured_tensor():
+    # torch.func's linearize traces the function and drops w's history (its result
+    # does not depend on w for autograd); ours matches jvp, whose tangent does
+    w, w_f = leaf(), leaf()
+    (d,) = torch.autograd.grad(tl.linearize(_elementwise(w), X)[1](Y).sum(), w)
+    (d_f,) = torch.autograd.grad(tf.jvp(_elementwise(w_f), (X,), (Y,))[1].sum(), w_f)
+    torch.testing.assert_close(d, d_f)
+
+
+# per-sample gradients over unbatched parameters (the grad level's own leaves: the vmap
+# level does not record their graph on the physical tensors) mixed with outer tensors
+P = torch.randn(X.shape[-1], 3, dtype=X.dtype)
+PER_SAMPLE_WITH_OUTER = {
+    "captured": lambda w: lambda p, x: ((x @ p).sin() * w[:3]).sum(),
+    "written in place": lambda w: lambda p, x: (x @ (p * 1).mul_(w[:3])).cos().sum(),
+    "written through t_": lambda w: lambda p, x: (x @ (p * 1).t_().mul_(w[:3, None]).t_()
+                                                   ).cos().sum(),
+    "in a list": lambda w: lambda p, x: (torch.cat([p, w[:, None] * p]).t() @ x.repeat(2)
+                                         ).tanh().sum(),
+}
+
+
+@pytest.mark.parametrize("case", list(PER_SAMPLE_WITH_OUTER))
+def test_per_sample_gradients_with_outer_tensors_match_torch_func(case):
+    xs = torch.randn(5, X.shape[-1], dtype=X.dtype)
+    results = []
+    for lib in (tl, tf):
+        w = leaf()
+        g = lib.vmap(lib.grad(PER_SAMPLE_WITH_OUTER[case](w)), in_dims=(None, 0))(P, xs)
+        results.append((g, *torch.autograd.grad((g ** 2).sum(), w)))
+    torch.testing.assert_close(results[0], results[1])
+
+
+def test_per_sample_gradients_of_a_parameter_that_requires_grad_outside():
+    xs = torch.randn(5, X.shape[-1], dtype=X.dtype)
+    results = []
+    for lib in (tl, tf):
+        p = P.clone().requires_grad_()
+        g = lib.vmap(lib.grad(lambda p, x: (x @ p).sin().sum()), in_dims=(None, 0))(p, xs)
+        results.append(torch.autograd.grad((g ** 2).sum(), p))
+    torch.testing.assert_close(results[0], results[1])
+
+
+def test_vmap_records_no_physical_graph_for_a_grad_levels_own_leaves():
+    xs = torch.randn(5, X.shape[-1], dtype=X.dtype)
+    with tl.vmap() as B, grad_level() as G:
+        p = G(P)
+        y = (B(xs) @ p).sin()
+        physical = B.unwrap(G.unwrap(y))
+        assert not physical.requires_grad  # only the grad level's graph, on B's tensors
+        assert G.unwrap(y).requires_grad
+
+
 def test_autograd_grad_on_top_with_create_graph():
     f = lambda v: (v.sin() * v).sum()
     x, x_f = leaf(), leaf()

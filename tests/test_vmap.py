@@ -231,6 +231,41 @@ def test_autograd_flows_through_vmap_to_parameters():
     assert_close(ours, (lin.weight.grad, x.grad))
 
 
+def _write_then(b, view, value):
+    """``b`` after ``view(b).copy_(value)``."""
+    view(b).copy_(value)
+    return b
+
+
+# a tensor that autograd outside tracks written through a view of a buffer made inside
+VIEW_WRITES = {
+    "slice": lambda x, w: _write_then(x.new_zeros(3), lambda b: b[0:2], x[:2] * w[:2]),
+    "view of a view": lambda x, w: _write_then(x * 1, lambda b: b.unsqueeze(0)[0, 1:],
+                                               x[1:] * w[1:]),
+    "select": lambda x, w: _write_then(x.new_zeros(3, 2), lambda b: b.select(1, 0),
+                                       x * w).sum(1),
+    "diagonal": lambda x, w: _write_then(x.new_zeros(3, 3), torch.diagonal, x * w),
+    "as_strided": lambda x, w: _write_then(x.new_zeros(3), lambda b: b.as_strided((2,), (1,)),
+                                           x[:2] * w[:2]),
+    # the view is made before its base is written
+    "base written": lambda x, w: (lambda b, v: (b.copy_(x * w), v * 1)[1])(
+        *(lambda b: (b, b[1:]))(x.new_zeros(3))),
+}
+
+
+@pytest.mark.parametrize("inputs_require_grad", [False, True])
+@pytest.mark.parametrize("case", list(VIEW_WRITES))
+def test_autograd_outside_sees_writes_through_views(case, inputs_require_grad):
+    xs0, w0 = torch.randn(4, 3, dtype=torch.float64), torch.randn(3, dtype=torch.float64)
+    grads = []
+    for vmap_ in (vmap, func_vmap):
+        w = w0.clone().requires_grad_()
+        xs = xs0.clone().requires_grad_(inputs_require_grad)
+        out = vmap_(functools.partial(VIEW_WRITES[case], w=w))(xs)
+        grads.append(torch.autograd.grad((out ** 2).sum(), [w, xs][:1 + inputs_require_grad]))
+    assert_close(grads[0], grads[1])
+
+
 def test_partial_and_module_names_in_errors():
     f = functools.partial(torch.add, alpha=2)
     with pytest.raises(ValueError, match="functools.partial"):

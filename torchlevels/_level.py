@@ -220,6 +220,27 @@ def follow_inner(tensor: LevelTensor) -> None:
         set_logical_meta(tensor, inner.shape, inner.stride(), inner.storage_offset())
 
 
+# A plain tensor that requires grad only for a grad level's own graph (a leaf the level
+# made, or a result of the level's ops on such leaves alone) carries this attribute.
+_LEVEL_GRAPH = "_torchlevels_level_graph"
+
+
+def mark_level_graph(t: torch.Tensor, only: bool = True) -> None:
+    """Record whether plain tensor ``t`` requires grad only for a grad level's own graph.
+
+    A vmap level around that grad level need not record its ops on such a tensor a second
+    time on the physical tensors: nothing outside reads that copy of the graph (the
+    per-sample gradients of ``vmap(grad(loss), in_dims=(None, 0))`` are the common case).
+    """
+    setattr(t, _LEVEL_GRAPH, only)
+
+
+def tracked_outside(t: Any) -> bool:
+    """Whether plain tensor ``t`` requires grad for autograd outside the transforms: it
+    requires grad, and not only for a grad level's graph (see :func:`mark_level_graph`)."""
+    return t.requires_grad and not getattr(t, _LEVEL_GRAPH, False)
+
+
 def set_logical_meta(tensor: LevelTensor, shape, strides, storage_offset: int = 0) -> None:
     """Change a level tensor's own sizes and strides in place (after ``squeeze_`` and such)."""
     with torch._C._DisableTorchDispatch():

@@ -35,7 +35,9 @@ from torchlevels._level import (
     enclosing_classes,
     entered,
     follow_inner,
+    mark_level_graph,
     new_level_class,
+    tracked_outside,
     unwrap_own,
     wrap_all,
     wrap_inner,
@@ -116,6 +118,9 @@ class GradLevel(Level):
         super().__init__()
         self.kind = name
         self.nested_in_grad = False  # an enclosing grad level must see our backward pass
+        # whether an op read a captured tensor that autograd outside tracks: then the
+        # backward pass must be recorded for it too, as when an input requires grad
+        self.captures_tracked = False
 
     def wrap(self, cls, tensor: torch.Tensor) -> torch.Tensor:
         """``G(t)``: ``t`` as an input of this level (a fresh leaf of its graph)."""
@@ -125,6 +130,8 @@ class GradLevel(Level):
             return wrap_inner(cls, tensor.view_as(tensor))  # keeps its history for autograd outside
         leaf = tensor.clone() if tensor.is_inference() else shallow_copy(tensor)
         leaf.requires_grad_()
+        if type(leaf) is torch.Tensor:
+            mark_level_graph(leaf)
         return wrap_inner(cls, leaf)
 
     def unwrap(self, cls, tensor: Any) -> Any:
@@ -135,6 +142,9 @@ class GradLevel(Level):
         return wrap_inner(cls, tensor._inner)
 
     def dispatch(self, cls, func, args, kwargs):
+        if not self.captures_tracked:
+            self.captures_tracked = _captures_tracked(cls, args) or (
+                bool(kwargs) and _captures_tracked(cls, kwargs.values()))
         inner_args = [unwrap_own(a, cls) for a in args]
         inner_kwargs = {k: unwrap_own(v, cls) for k, v in kwargs.items()} if kwargs else {}
         inplace = writes_first_argument(func)
@@ -143,7 +153,9 @@ class GradLevel(Level):
         view = out_of_place_view(func) if inplace else None
         if view is not None and not _is_tracked_leaf(inner_args[0]):
             with autograd_on():
-                return _rebind_to_view(args[0], view, inner_args, inner_kwargs)
+                out = _rebind_to_view(args[0], view, inner_args, inner_kwargs)
+            _note_level_graph(out._inner, inner_args, inner_kwargs)
+            return out
         for flag, i in gradient_flags(func):  # decided from requires_grad, which a level's
             if flag < len(args) and i < len(args) and type(args[i]) is cls:  # tensors lack
                 inner_args[flag] = True
@@ -161,10 +173,61 @@ class GradLevel(Level):
         if inplace:
             self_ = args[0]
             follow_inner(self_)
+            _note_level_graph(self_._inner, inner_args, inner_kwargs)
             return self_
+        _note_level_graph(out, inner_args, inner_kwargs)
         # every output is ours, tracked or not: a later in-place op may write a tracked
         # value into it (``buf = zeros_like(x); buf[0] = x``), as in torch.func
         return wrap_all(cls, out)
+
+
+def requires_grad_within(t: torch.Tensor) -> bool:
+    """Whether ``t``, or the tensor it wraps at any level, requires grad for autograd
+    outside (not only for a grad level's own graph)."""
+    while isinstance(t, LevelTensor):
+        t = t._inner
+    return tracked_outside(t)
+
+
+def _captures_tracked(cls, args: Any) -> bool:
+    """Whether a tensor among ``args`` (or in a list among them) that is not of level
+    ``cls`` requires grad at some level: a captured tensor autograd outside may track."""
+    for a in args:
+        if type(a) is cls:
+            continue
+        if isinstance(a, torch.Tensor):
+            if requires_grad_within(a):
+                return True
+        elif type(a) in (list, tuple) and _captures_tracked(cls, a):
+            return True
+    return False
+
+
+def _note_level_graph(out: Any, inner_args: list, inner_kwargs: dict) -> None:
+    """Mark each plain result that requires grad with whether it does so only for this
+    level's graph: when every argument that requires grad does (see mark_level_graph)."""
+    if type(out) is torch.Tensor:
+        if out.requires_grad:
+            mark_level_graph(out, _level_graph_only(inner_args)
+                             and _level_graph_only(inner_kwargs.values()))
+    elif isinstance(out, (tuple, list)):
+        plain = [o for o in out if type(o) is torch.Tensor and o.requires_grad]
+        if plain:
+            only = _level_graph_only(inner_args) and _level_graph_only(inner_kwargs.values())
+            for o in plain:
+                mark_level_graph(o, only)
+
+
+def _level_graph_only(args: Any) -> bool:
+    """Whether every tensor in ``args`` (or in a list among them) that requires grad is
+    plain and requires it only for a grad level's graph."""
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            if a.requires_grad and (type(a) is not torch.Tensor or tracked_outside(a)):
+                return False
+        elif isinstance(a, (list, tuple)) and not _level_graph_only(a):
+            return False
+    return True
 
 
 def _is_tracked_leaf(t: Any) -> bool:

@@ -26,6 +26,7 @@ from torchlevels.autodiff import (
     GradLevel,
     grad_level,
     jvp_level,
+    requires_grad_within,
     shallow_copy,
 )
 from torchlevels.batching.pointwise import UnbatchedWriteError
@@ -57,14 +58,8 @@ def _needs_graph(level: GradLevel, inputs: list, grad_enabled: bool) -> bool:
 
     ``grad_enabled`` is the grad mode outside the transform, which turns it on inside.
     """
-    return grad_enabled and (level.nested_in_grad or any(map(requires_grad_within, inputs)))
-
-
-def requires_grad_within(t: torch.Tensor) -> bool:
-    """Whether ``t``, or the tensor it wraps at any level, requires grad (autograd outside)."""
-    while isinstance(t, LevelTensor):
-        t = t._inner
-    return t.requires_grad
+    return grad_enabled and (level.nested_in_grad or level.captures_tracked
+                             or any(map(requires_grad_within, inputs)))
 
 
 def _normalized(argnums: int | tuple[int, ...], args: tuple) -> int | tuple[int, ...]:
@@ -213,7 +208,7 @@ def vjp(func: Callable, *primals: Any, has_aux: bool = False) -> tuple:
         results = tree_unflatten([o if keep else shallow_copy(o) for o in out_inners], out_spec)
         if has_aux:
             aux = tree_map(lambda a: _out_of(G, a, keep), aux)
-    inputs_require_grad = any(map(requires_grad_within, flat))
+    inputs_require_grad = G._level.captures_tracked or any(map(requires_grad_within, flat))
 
     def vjp_fn(cotangents: Any) -> tuple:
         flat_ct, ct_spec = tree_flatten(cotangents)

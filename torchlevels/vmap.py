@@ -27,6 +27,7 @@ from torchlevels._level import (
     new_level_class,
     refuse_functional,
     set_logical_meta,
+    tracked_outside,
 )
 from torchlevels.batching import predispatch, shortcuts
 from torchlevels.batching.registry import How, resolve, resolved_by_id, written_arguments
@@ -117,8 +118,10 @@ class BatchLevel(Level):
             )
         if rule.takes_level:
             out, out_dims = rule.fn(self, func, phys, dims, kwargs)
-        elif grad and torch.is_grad_enabled():
+        elif (grad or rule.view) and torch.is_grad_enabled():
             # Record autograd on the inner tensors, so autograd outside vmap sees the graph.
+            # A view is made as autograd's view of its base even when nothing requires
+            # grad yet: a tracked value written through it later must reach the base.
             with autograd_on():
                 out, out_dims = rule.fn(func, phys, dims, kwargs)
         else:
@@ -200,7 +203,8 @@ def wrap_batched(cls, inner: torch.Tensor, bdim: int) -> torch.Tensor:
 
 
 def unwrap_args(cls, args: tuple) -> tuple[list, list, bool]:
-    """Physical args, their batch dims, and whether any requires grad."""
+    """Physical args, their batch dims, and whether any requires grad for autograd outside
+    (a grad level's own leaves do not: that level records its ops on our tensors)."""
     phys = []
     dims = []
     grad = False
@@ -213,11 +217,12 @@ def unwrap_args(cls, args: tuple) -> tuple[list, list, bool]:
         elif type(a) is list and any(type(t) is cls for t in a):
             phys.append([t._inner if type(t) is cls else t for t in a])
             dims.append(tuple(t._bdim if type(t) is cls else None for t in a))
-            grad = grad or any(isinstance(t, torch.Tensor) and t.requires_grad for t in phys[-1])
+            grad = grad or any(isinstance(t, torch.Tensor) and tracked_outside(t)
+                               for t in phys[-1])
         else:
             phys.append(a)
             dims.append(None)
-            grad = grad or (isinstance(a, torch.Tensor) and a.requires_grad)
+            grad = grad or (isinstance(a, torch.Tensor) and tracked_outside(a))
     return phys, dims, grad
 
 

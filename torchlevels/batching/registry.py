@@ -45,6 +45,7 @@ class Resolved:
     family: str = ""
     takes_level: bool = False  # fn(level, func, args, dims, kwargs): needs the level's state
     inplace: bool = False  # func writes its first argument and returns it (add_, copy_...)
+    view: bool = False  # func returns a view of an argument (select, slice, t...)
 
 
 _own: dict[OpOverload | OpOverloadPacket, tuple[Rule, bool]] = {}
@@ -121,16 +122,17 @@ def resolve(func: OpOverload) -> Resolved:
 
 def _resolve(func: OpOverload) -> Resolved:
     inplace = _is_inplace(func)
+    view = returns_view(func)
     own = _own.get(func) or _own.get(func.overloadpacket)
     if own is not None:
-        return Resolved(How.OWN, own[0], takes_level=own[1], inplace=inplace)
+        return Resolved(How.OWN, own[0], takes_level=own[1], inplace=inplace, view=view)
     for name, applies, rule in _families:
         if applies(func):
-            return Resolved(How.FAMILY, rule, name, inplace=inplace)
+            return Resolved(How.FAMILY, rule, name, inplace=inplace, view=view)
     decomposition = _decomposition(func)
     if decomposition is not None:
         return Resolved(How.DECOMPOSITION, decomposition)
-    return Resolved(How.LOOP, loop_rule, inplace=inplace)
+    return Resolved(How.LOOP, loop_rule, inplace=inplace, view=view)
 
 
 def _per_op(compute: Callable[[OpOverload], Any]) -> Callable[[OpOverload], Any]:
