@@ -745,6 +745,51 @@ def test_vmap_records_no_physical_graph_for_a_grad_levels_own_leaves():
         assert G.unwrap(y).requires_grad
 
 
+# compositions of per-example transforms with autograd outside: the parameter p (not
+# batched), the examples xs or a tensor w the function captures requires grad
+def _outer_loss(w):
+    return lambda p, x: ((x @ p) * w).tanh().pow(2).sum()
+
+
+def _outer_vec(w):
+    return lambda p, x: ((x @ p) * w).tanh()
+
+
+OUTER_COMPOSITIONS = {
+    "vmap(grad)": lambda lib, w, p, xs: lib.vmap(lib.grad(_outer_loss(w)),
+                                                 in_dims=(None, 0))(p, xs),
+    "vmap(grad wrt x)": lambda lib, w, p, xs: lib.vmap(lib.grad(_outer_loss(w), argnums=1),
+                                                       in_dims=(None, 0))(p, xs),
+    "grad(vmap)": lambda lib, w, p, xs: lib.grad(
+        lambda p: lib.vmap(_outer_loss(w), in_dims=(None, 0))(p, xs).sum())(p),
+    "vmap(jacrev)": lambda lib, w, p, xs: lib.vmap(lib.jacrev(_outer_vec(w)),
+                                                   in_dims=(None, 0))(p, xs),
+    "vmap(jacfwd)": lambda lib, w, p, xs: lib.vmap(lib.jacfwd(_outer_vec(w)),
+                                                   in_dims=(None, 0))(p, xs),
+    "vmap(hessian)": lambda lib, w, p, xs: lib.vmap(lib.hessian(_outer_loss(w)),
+                                                    in_dims=(None, 0))(p, xs),
+    "vmap(jvp)": lambda lib, w, p, xs: lib.vmap(lambda x: lib.jvp(
+        lambda p: _outer_vec(w)(p, x), (p,), (torch.ones_like(p),))[1])(xs),
+    "vmap(vmap(grad))": lambda lib, w, p, xs: lib.vmap(lib.vmap(
+        lib.grad(_outer_loss(w)), in_dims=(None, 0)), in_dims=(None, 0))(p, xs.expand(2, -1, -1)),
+}
+
+
+@pytest.mark.parametrize("tracked", ["p", "xs", "captured w"])
+@pytest.mark.parametrize("case", list(OUTER_COMPOSITIONS))
+def test_autograd_outside_per_example_transforms_matches_torch_func(case, tracked):
+    gen = torch.Generator().manual_seed(0)
+    p0, xs0, w0 = (torch.randn(*s, generator=gen, dtype=torch.float64)
+                   for s in [(3, 3), (4, 3), (3,)])
+    grads = []
+    for lib in (tl, tf):
+        p, xs, w = p0.clone(), xs0.clone(), w0.clone()
+        wrt = {"p": p, "xs": xs, "captured w": w}[tracked].requires_grad_()
+        out = OUTER_COMPOSITIONS[case](lib, w, p, xs)
+        grads.append(torch.autograd.grad((out ** 2).sum(), wrt))
+    torch.testing.assert_close(grads[0], grads[1])
+
+
 def test_autograd_grad_on_top_with_create_graph():
     f = lambda v: (v.sin() * v).sum()
     x, x_f = leaf(), leaf()

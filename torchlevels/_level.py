@@ -237,8 +237,10 @@ def mark_level_graph(t: torch.Tensor, only: bool = True) -> None:
 
 def tracked_outside(t: Any) -> bool:
     """Whether plain tensor ``t`` requires grad for autograd outside the transforms: it
-    requires grad, and not only for a grad level's graph (see :func:`mark_level_graph`)."""
-    return t.requires_grad and not getattr(t, _LEVEL_GRAPH, False)
+    requires grad, and not only for a grad level's graph (see :func:`mark_level_graph`).
+    A meta tensor never is: PyTorch makes meta copies only to learn an output's shape
+    (adding a ZeroTensor tangent under forward AD)."""
+    return t.requires_grad and not t.is_meta and not getattr(t, _LEVEL_GRAPH, False)
 
 
 def set_logical_meta(tensor: LevelTensor, shape, strides, storage_offset: int = 0) -> None:
