@@ -509,3 +509,39 @@ def test_chunked_linear_cross_entropy_gradients(reduction):
     per_example = lambda lib, opts: lib.vmap(lib.grad(
         lambda xi, ti: F.linear_cross_entropy(xi, w, ti, options=opts)))(x, t)
     assert_tree_close(per_example(tl, options), per_example(tf, None))
+
+
+# -- gradient penalties: autograd through per-example input gradients into the weights ----
+
+
+def _critic():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(1, 4, 3), nn.LeakyReLU(0.2), nn.AvgPool2d(2), nn.Flatten(),
+                         nn.Linear(4 * 3 * 3, 8), nn.Tanh(), nn.Linear(8, 1)).double()
+
+
+PENALTIES = {
+    # WGAN-GP: each example's input gradient should have norm 1
+    "wgan-gp": lambda lib, critic, xs: ((lib.vmap(lib.grad(
+        lambda x: critic(x.unsqueeze(0)).squeeze()))(xs).flatten(1).norm(dim=1) - 1) ** 2).mean(),
+    # curvature along a direction: a Hessian-vector product of the critic per example
+    "hvp": lambda lib, critic, xs: (lib.vmap(lambda x: lib.jvp(lib.grad(
+        lambda z: critic(z.unsqueeze(0)).squeeze()), (x,), (torch.ones_like(x),))[1])(xs)
+    ** 2).sum(),
+}
+
+
+@pytest.mark.parametrize("penalty", list(PENALTIES))
+def test_gradient_penalty_trains_the_critic_as_torch_func(penalty):
+    critic = _critic()
+    xs = torch.randn(5, 1, 8, 8, dtype=torch.float64)
+    grads = []
+    for lib in (tl, tf):
+        critic.zero_grad()
+        PENALTIES[penalty](lib, critic, xs).backward()
+        grads.append([p.grad for p in critic.parameters()])
+    assert grads[1][0] is not None
+    for ours, theirs in zip(*grads):
+        assert (ours is None) == (theirs is None)
+        if theirs is not None:
+            torch.testing.assert_close(ours, theirs)
