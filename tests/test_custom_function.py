@@ -314,6 +314,21 @@ def test_autograd_outside(x):
     close(g, ref)
 
 
+@pytest.mark.parametrize("compose", [
+    lambda lib, f: lib.grad(lambda x: f(x).sum()),
+    lambda lib, f: lib.vmap(lib.grad(lambda x: f(x).sum())),
+], ids=["grad", "vmap(grad)"])
+def test_autograd_outside_through_a_captured_argument(compose):
+    # w, which autograd outside tracks, reaches the Function as a captured argument
+    xs = torch.linspace(-1, 1, 6).view(2, 3)
+    grads = []
+    for lib in (tl, tf):
+        w = torch.tensor([0.5, -2.0, 3.0], requires_grad=True)
+        g = compose(lib, lambda x: ClippedMul.apply(x, w).sin())(xs)
+        grads.append(torch.autograd.grad((g ** 2).sum(), w))
+    close(grads[0], grads[1])
+
+
 def test_plain_apply_unaffected(x):
     x = x.clone().requires_grad_()
     RoundSTE.apply(x).sum().backward()

@@ -36,7 +36,15 @@ import torch.autograd.forward_ad as fwAD
 from torch.autograd.function import Function, _SingleLevelFunction
 
 from torchlevels._level import LevelTensor
-from torchlevels.autodiff import GradLevel, JvpLevel, _dual_level, _from_dual, _to_dual, _wrap
+from torchlevels.autodiff import (
+    GradLevel,
+    JvpLevel,
+    _captures_tracked,
+    _dual_level,
+    _from_dual,
+    _to_dual,
+    _wrap,
+)
 from torchlevels.batching.composite import _deepest_level
 from torchlevels.vmap import BatchLevel, batch_level, wrap_batched
 
@@ -128,6 +136,8 @@ def _keep_identity(out: Any, inner: tuple, args: tuple, wrap) -> Any:
 
 def _grad_rule(G: type[LevelTensor], fn, args: tuple, kwargs: dict) -> Any:
     """Record ``fn.backward`` in G's graph, which lives on G's inner tensors."""
+    level = G._level
+    level.captures_tracked = level.captures_tracked or _captures_tracked(G, args)
     inner = tuple(a._inner if type(a) is G else a for a in args)
     out = _one_level_out(fn, kwargs).apply(*inner)
     return _keep_identity(out, inner, args, lambda o: _wrap(G, o) if o.requires_grad else o)
