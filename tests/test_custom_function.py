@@ -324,7 +324,7 @@ def test_autograd_outside_through_a_captured_argument(compose):
     grads = []
     for lib in (tl, tf):
         w = torch.tensor([0.5, -2.0, 3.0], requires_grad=True)
-        g = compose(lib, lambda x: ClippedMul.apply(x, w).sin())(xs)
+        g = compose(lib, lambda x, w=w: ClippedMul.apply(x, w).sin())(xs)
         grads.append(torch.autograd.grad((g ** 2).sum(), w))
     close(grads[0], grads[1])
 

@@ -90,7 +90,10 @@ def _wrap(cls, inner: torch.Tensor, tangent: torch.Tensor | None = None) -> torc
 
 def constant(cls, t: torch.Tensor) -> torch.Tensor:
     """``t`` as a tensor of grad or jvp level ``cls`` that does not depend on its inputs."""
-    return _wrap(cls, t) if isinstance(cls._level, JvpLevel) else wrap_inner(cls, t)
+    if isinstance(cls._level, JvpLevel):
+        return _wrap(cls, t)
+    cls._level.captures_tracked = cls._level.captures_tracked or requires_grad_within(t)
+    return wrap_inner(cls, t)
 
 
 class CapturedMutationError(RuntimeError):

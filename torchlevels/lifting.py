@@ -8,6 +8,10 @@ plain too, and a grad or jvp level must refuse writing its values into them. tor
 makes every tensor inside a transform one of its own; here these ops take their captured
 tensor arguments into the live grad and jvp levels (as constants) before they decompose,
 so every intermediate is a level's and the writes are ordinary in-place ops.
+
+The single-step cells run out of place instead (the same arithmetic in the same order):
+under vmap their hidden state is often unbatched (``GRUCell`` starts from zeros) while the
+input's gates are batched, and no level could take those in-place writes.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from torchlevels._level import enclosing_classes, innermost
 from torchlevels.autodiff import GradLevel, JvpLevel, constant
@@ -46,9 +51,51 @@ def _with_captured_lifted(op, args: tuple, kwargs: dict) -> Any:
             return a
 
         args = tuple(map(lift, args))
-    out = op.decompose(*args, **kwargs)  # what runs inside is still intercepted (dropout)
+    cell = _CELLS.get(op)
+    if cell is not None:
+        return cell(*args, **kwargs)
+    # an LSTM whose arguments do not require grad (a level's tensors never report it)
+    # takes oneDNN's layer kernel, which has no forward AD and whose differentiable
+    # backward writes batched cotangents into plain buffers: under grad or jvp, plain ops
+    mkldnn = torch._C._get_mkldnn_enabled()
+    torch._C._set_mkldnn_enabled(mkldnn and not levels)
+    try:
+        out = op.decompose(*args, **kwargs)  # what runs inside is still intercepted (dropout)
+    finally:
+        torch._C._set_mkldnn_enabled(mkldnn)
     return passed_by(op, args, kwargs) if out is NotImplemented else out
 
+
+def _gru_cell(x, h, w_ih, w_hh, b_ih=None, b_hh=None):
+    i_r, i_z, i_n = F.linear(x, w_ih, b_ih).chunk(3, 1)
+    h_r, h_z, h_n = F.linear(h, w_hh, b_hh).chunk(3, 1)
+    reset = (h_r + i_r).sigmoid()
+    update = (h_z + i_z).sigmoid()
+    new = (i_n + h_n * reset).tanh()
+    return (h - new) * update + new
+
+
+def _lstm_cell(x, hc, w_ih, w_hh, b_ih=None, b_hh=None):
+    h, c = hc
+    gates = F.linear(h, w_hh, b_hh) + F.linear(x, w_ih, b_ih)
+    in_gate, forget_gate, cell_gate, out_gate = gates.chunk(4, 1)
+    cy = forget_gate.sigmoid() * c + in_gate.sigmoid() * cell_gate.tanh()
+    return out_gate.sigmoid() * cy.tanh(), cy
+
+
+def _simple_cell(nonlinearity):
+    def cell(x, h, w_ih, w_hh, b_ih=None, b_hh=None):
+        return nonlinearity(F.linear(h, w_hh, b_hh) + F.linear(x, w_ih, b_ih))
+
+    return cell
+
+
+_CELLS = {
+    aten.gru_cell.default: _gru_cell,
+    aten.lstm_cell.default: _lstm_cell,
+    aten.rnn_tanh_cell.default: _simple_cell(torch.tanh),
+    aten.rnn_relu_cell.default: _simple_cell(torch.relu),
+}
 
 for _op in RECURRENT:
     intercept(_op, _with_captured_lifted)
