@@ -185,6 +185,12 @@ class autograd_on:  # lower case: used like a function, `with autograd_on():`
         self._snapshot.__exit__(*exc)
 
 
+def autograd_records() -> bool:
+    """Inside a level's ``__torch_dispatch__``: whether autograd records the ops run now
+    (grad mode on, and autograd switched back on by :class:`autograd_on`)."""
+    return torch.is_grad_enabled() and not _autograd_excluded(_AUTOGRAD)
+
+
 def wrap_inner(cls: type[LevelTensor], inner: torch.Tensor) -> LevelTensor:
     """A tensor of level ``cls`` standing for ``inner``, with its shape, strides and offset."""
     out = torch.Tensor._make_wrapper_subclass(

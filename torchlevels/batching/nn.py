@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from torchlevels._level import autograd_records
 from torchlevels.batching.dims import logical_rank, materialize, to_front
 from torchlevels.batching.registry import batch_size, register
 
@@ -212,8 +213,9 @@ def _grouped_backward(func, args, dims, size, has_n, mask):
     """convolution_backward with the batch as groups: every gradient comes out per example."""
     go, x, w, bias_sizes, stride, padding, dilation, transposed, output_padding, groups, _ = args
     go, x = (materialize(t, d, size) for t, d in zip(args[:2], dims[:2]))
-    if dims[2] is None and not mask[0] and not w.requires_grad:
-        # the weight gradient reads only the weight's shape: no copy per example
+    if dims[2] is None and not mask[0] and not (w.requires_grad and autograd_records()):
+        # the weight gradient reads only the weight's shape: no copy per example (unless
+        # autograd records this call, whose derivatives might read the weight)
         w = w.new_empty((size * w.shape[0], *w.shape[1:]))
     else:
         w = materialize(w, dims[2], size).flatten(0, 1)
