@@ -790,6 +790,30 @@ def test_autograd_outside_per_example_transforms_matches_torch_func(case, tracke
     torch.testing.assert_close(grads[0], grads[1])
 
 
+# ops whose forward-AD formula plain autograd cannot differentiate again (PyTorch's own
+# forward AD then backward raises for them): under jvp with autograd outside
+JVP_THEN_BACKWARD = {
+    "softmax": lambda x: x.softmax(1),
+    "log_softmax": lambda x: x.log_softmax(1),
+    "logsumexp": lambda x: x.logsumexp(1),
+    "1-norm": lambda x: torch.linalg.vector_norm(x, 1, 1),
+    "cross_entropy": lambda x: F.cross_entropy(x, torch.tensor([0, 2])),
+    "attention": lambda x: F.scaled_dot_product_attention(x[None], x[None], x[None]),
+}
+
+
+@pytest.mark.parametrize("case", list(JVP_THEN_BACKWARD))
+def test_autograd_outside_jvp_of_softmax_like_ops_matches_torch_func(case):
+    x0 = torch.tensor([[1.2, 0.3, -0.5], [0.1, 2.0, -1.0]], dtype=torch.float64)
+    grads = []
+    for lib in (tl, tf):
+        x = x0.clone().requires_grad_()
+        t = lib.jvp(JVP_THEN_BACKWARD[case], (x,), (torch.ones_like(x) * 0.3 + x * 0.1,))[1]
+        weights = torch.linspace(-1, 1, t.numel(), dtype=t.dtype).view(t.shape)
+        grads.append(torch.autograd.grad((t * weights).sum(), x))
+    torch.testing.assert_close(grads[0], grads[1])
+
+
 def test_autograd_grad_on_top_with_create_graph():
     f = lambda v: (v.sin() * v).sum()
     x, x_f = leaf(), leaf()

@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch._decomp
 import torch.autograd.forward_ad as fwAD
 
 from torchlevels._level import (
@@ -286,6 +287,13 @@ class JvpLevel(Level):
         view = out_of_place_view(func) if inplace else None
         if view is not None:
             return _jvp_inplace_view(cls, view, args, kwargs)
+        if func in _DECOMPOSED_UNDER_AUTOGRAD and _tracked_by_autograd(cls, args):
+            return _DECOMPOSED_UNDER_AUTOGRAD[func](*args, **kwargs)
+        if _shapes_only(args):
+            # PyTorch runs an op on meta copies to learn an output's shape (adding a
+            # ZeroTensor tangent): the primal alone, with no derivative of any kind
+            out = func(*[unwrap_own(a, cls) for a in args], **kwargs)
+            return _from_dual(cls, out, -1)
         level = fwAD._current_level
         if level < 0:  # a jvp level outlived the forward-AD level it entered
             with _dual_level():
@@ -387,8 +395,44 @@ def _to_dual(a: Any, cls, level: int) -> Any:
     return a
 
 
+# Ops whose forward-AD formula plain autograd cannot differentiate again (softmax's writes
+# a saved exp in place: PyTorch's own fwAD then backward raises). Where autograd outside
+# tracks an argument, they run as their decompositions, whose pieces it can.
+_DECOMPOSED_UNDER_AUTOGRAD = {
+    **{op: torch._decomp.decomposition_table[op]
+       for op in (torch.ops.aten._softmax.default, torch.ops.aten._log_softmax.default,
+                  torch.ops.aten._safe_softmax.default, torch.ops.aten.logsumexp.default,
+                  torch.ops.aten._softmax_backward_data.default,
+                  torch.ops.aten._log_softmax_backward_data.default,
+                  torch.ops.aten.linalg_vector_norm.default)},
+    # composite ops that reach a level whole (from a decomposition's Python code)
+    **{op: op.decompose for op in (torch.ops.aten.softmax.int, torch.ops.aten.log_softmax.int)},
+}
+
+
+def _tracked_by_autograd(cls, args: tuple) -> bool:
+    """Whether autograd outside tracks an argument's primal or tangent."""
+    for a in args:
+        if type(a) is cls:
+            if requires_grad_within(a._inner) or (
+                    a._tangent is not None and requires_grad_within(a._tangent)):
+                return True
+        elif isinstance(a, torch.Tensor) and requires_grad_within(a):
+            return True
+    return False
+
+
+def _shapes_only(args: tuple) -> bool:
+    """Whether the op's first tensor argument is a meta tensor."""
+    first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+    return first is not None and first.is_meta
+
+
 def _from_dual(cls, out: Any, level: int) -> Any:
+    """The op's outputs as tensors of jvp level ``cls`` (a level of -1: no tangents)."""
     if isinstance(out, torch.Tensor):
+        if level < 0:
+            return _wrap(cls, out)
         primal, tangent = _unpack_dual(out, level=level)
         return _wrap(cls, primal, tangent)  # every output is ours (as in GradLevel)
     if isinstance(out, (tuple, list)):
