@@ -26,6 +26,7 @@ import torch
 import torch.func as ft
 
 import torchlevels as tl
+from torchlevels.batching.pointwise import UnbatchedWriteError
 
 DTYPE = torch.float64
 N = 4  # the size of the last dim every function works on
@@ -510,3 +511,17 @@ def test_jacfwd_of_a_write_under_two_vmaps(f, in_dims):
     x = torch.randn(2, 3, 2, dtype=DTYPE)
     run = lambda lib: lib.vmap(lib.vmap(lib.jacfwd(f), in_dims=inner), in_dims=outer)(x)
     torch.testing.assert_close(run(tl), run(ft))
+
+
+@pytest.mark.xfail(raises=UnbatchedWriteError, strict=True, reason=(
+    "known bug: forward over forward of an in-place op whose tangent PyTorch builds from "
+    "a ZeroTensor (abs's second derivative) writes a doubly batched value into a tangent "
+    "batched once; torch.func runs it"))
+def test_forward_over_forward_of_an_in_place_write_after_abs():
+    x, c = torch.tensor([1.2328], dtype=torch.float64), torch.tensor([0.7], dtype=torch.float64)
+
+    def f(t):
+        a = (t * c).abs()
+        return a.clone().mul_(a)
+
+    torch.testing.assert_close(tl.jacfwd(tl.jacfwd(f))(x), ft.jacfwd(ft.jacfwd(f))(x))
