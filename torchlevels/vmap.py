@@ -213,7 +213,7 @@ def unwrap_args(cls, args: tuple) -> tuple[list, list, bool]:
             inner = a._inner
             phys.append(inner)
             dims.append(a._bdim)
-            grad = grad or tracked_outside(inner)
+            grad = grad or (inner.requires_grad and tracked_outside(inner))
         elif type(a) is list and any(type(t) is cls for t in a):
             phys.append([t._inner if type(t) is cls else t for t in a])
             dims.append(tuple(t._bdim if type(t) is cls else None for t in a))
