@@ -615,3 +615,21 @@ def test_gradient_penalty_trains_the_critic_as_torch_func(penalty):
         assert (ours is None) == (theirs is None)
         if theirs is not None:
             torch.testing.assert_close(ours, theirs)
+
+
+def test_grad_of_a_training_mode_batch_norm_is_a_training_step():
+    # torch.func refuses (the kernel updates the running statistics in place); torchlevels
+    # gives plain autograd's gradients and updates the statistics as a training step does
+    torch.manual_seed(0)
+    bn = nn.BatchNorm1d(3)
+    x = torch.randn(4, 3)
+    ours_buffers = {k: v.clone() for k, v in bn.named_buffers()}
+    params = {k: v.detach() for k, v in bn.named_parameters()}
+    ours = tl.grad(lambda p: tl.functional_call(bn, (p, ours_buffers), (x,)).pow(2).sum())(params)
+    ref_buffers = {k: v.clone() for k, v in bn.named_buffers()}
+    leaves = {k: v.clone().requires_grad_() for k, v in params.items()}
+    out = tf.functional_call(bn, (leaves, ref_buffers), (x,)).pow(2).sum()
+    expected = torch.autograd.grad(out, list(leaves.values()))
+    torch.testing.assert_close(ours, dict(zip(leaves, expected)))
+    torch.testing.assert_close(ours_buffers, ref_buffers)
+    assert int(ours_buffers["num_batches_tracked"]) == 1
