@@ -633,3 +633,40 @@ def test_grad_of_a_training_mode_batch_norm_is_a_training_step():
     torch.testing.assert_close(ours, dict(zip(leaves, expected)))
     torch.testing.assert_close(ours_buffers, ref_buffers)
     assert int(ours_buffers["num_batches_tracked"]) == 1
+
+
+# -- attention: per-example gradients through the CPU flash-attention kernel ---------------
+
+
+@pytest.mark.parametrize("variant", ["plain", "causal", "mask", "shared key and value"])
+def test_per_example_gradients_of_attention_match_torch_func(variant):
+    # 4-d inputs take the CPU flash kernel, whose backward reads the forward's log-sum-exp:
+    # torch._decomp's decomposition of the forward returns the attention weights there
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(3, 1, 2, 5, 4, generator=gen, dtype=torch.float64) for _ in range(3))
+    mask = torch.randn(1, 2, 5, 5, generator=gen, dtype=torch.float64)
+    kwargs = {"causal": {"is_causal": True}, "mask": {"attn_mask": mask}}.get(variant, {})
+    in_dims = (0, None, None) if variant == "shared key and value" else (0, 0, 0)
+    args = (q, k[0], v[0]) if variant == "shared key and value" else (q, k, v)
+
+    def loss(q, k, v):
+        return (F.scaled_dot_product_attention(q, k, v, **kwargs) ** 2).sum()
+
+    ours = tl.vmap(tl.grad(loss, argnums=(0, 1, 2)), in_dims=in_dims)(*args)
+    theirs = tf.vmap(tf.grad(loss, argnums=(0, 1, 2)), in_dims=in_dims)(*args)
+    torch.testing.assert_close(ours, theirs)
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_per_sample_gradients_of_a_transformer_layer_match_torch_func(training):
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(4, 2, 8, dropout=0.0, batch_first=True).double()
+    layer.train(training)
+    params = {k: v.detach() for k, v in layer.named_parameters()}
+    xs = torch.randn(3, 5, 4, dtype=torch.float64)
+
+    def per_sample(lib):
+        loss = lambda p, x: (lib.functional_call(layer, p, (x[None],)) ** 2).sum()
+        return lib.vmap(lib.grad(loss), in_dims=(None, 0))(params, xs)
+
+    assert_tree_close(per_sample(tl), per_sample(tf))

@@ -454,3 +454,36 @@ def log_sigmoid(func, args, dims, kwargs):
     out = func(*phys, **kwargs)
     output, buffer = out  # the buffer is empty where the kernel does not save it (CUDA)
     return (output, buffer), (0, 0 if buffer.numel() else None)
+
+
+# -- attention ----------------------------------------------------------------------------
+
+
+def _fold_attention(args, dims, count: int, size: int) -> list:
+    """The first ``count`` tensors of an attention op with the batch folded into N."""
+    return [materialize(a, d, size).flatten(0, 1) for a, d in zip(args[:count], dims[:count])]
+
+
+def _fold_mask(kwargs: dict, size: int) -> dict:
+    """An (unbatched) attention mask that still broadcasts once the batch is folded into N."""
+    mask = kwargs.get("attn_mask")
+    if mask is None or mask.dim() < 4 or mask.shape[0] == 1:
+        return kwargs
+    return {**kwargs, "attn_mask": mask.expand(size, *mask.shape).flatten(0, 1)}
+
+
+@register(aten._scaled_dot_product_flash_attention_for_cpu.default)
+def flash_attention_cpu(func, args, dims, kwargs):
+    """Fold the batch into N. (torch._decomp's decomposition of this op returns the attention
+    weights where the kernel returns its log-sum-exp, which the backward kernel reads.)"""
+    size = batch_size(args, dims)
+    out, lse = func(*_fold_attention(args, dims, 3, size), *args[3:], **_fold_mask(kwargs, size))
+    return (out.unflatten(0, (size, -1)), lse.unflatten(0, (size, -1))), (0, 0)
+
+
+@register(aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
+def flash_attention_cpu_backward(func, args, dims, kwargs):
+    """Fold the batch into N, of the gradient, the inputs and the forward's outputs."""
+    size = batch_size(args, dims)
+    grads = func(*_fold_attention(args, dims, 6, size), *args[6:], **_fold_mask(kwargs, size))
+    return tuple(g.unflatten(0, (size, -1)) for g in grads), (0, 0, 0)
