@@ -139,9 +139,12 @@ def test_diag_embed(shape, rest, dim):
 
 @pytest.mark.parametrize("dims", [(0, 0), (0, None), (None, 0), (1, -1)])
 @pytest.mark.parametrize("p", [2.0, 1.0, 3.0])
-@pytest.mark.parametrize("own_batch", [(), (2,)])
-def test_cdist_and_its_gradients(dims, p, own_batch):
-    x1, x2 = at(rand(*own_batch, 4, 3), dims[0]), at(rand(*own_batch, 5, 3), dims[1])
+@pytest.mark.parametrize("batches", [((), ()), ((2,), (2,)), ((), (2,)), ((1,), (2,)),
+                                     ((2,), ()), ((), (0,))])
+def test_cdist_and_its_gradients(dims, p, batches):
+    # an example's own batch dims may differ in rank or broadcast (the backward kernel
+    # needs them of one rank), or be empty
+    x1, x2 = at(rand(*batches[0], 4, 3), dims[0]), at(rand(*batches[1], 5, 3), dims[1])
     check_vmap(lambda a, b: torch.cdist(a, b, p=p), x1, x2, in_dims=dims)
 
     def loss(a, b):

@@ -100,11 +100,15 @@ leading_batch_dims(aten._cdist_forward.default, cores=(2, 2), equal=True)
 
 @register(aten._cdist_backward.default)
 def cdist_backward(func, args, dims, kwargs):
-    """Leading batch dims, all equal and contiguous, as the kernel requires."""
+    """Leading batch dims of one rank, contiguous, as the kernel requires: an example's
+    ``x1`` of shape (n, m) beside an ``x2`` of (b, r, m) goes in as (1, n, m)."""
     size = batch_size(args, dims)
     grad, x1, x2, p, dist = (a if d is None and not isinstance(a, torch.Tensor)
-                             else materialize(a, d, size).contiguous()
-                             for a, d in zip(args, dims))
+                             else materialize(a, d, size) for a, d in zip(args, dims))
+    if grad.numel() == 0:  # an empty batch shape: the kernel gives zeros shaped like x1
+        return torch.zeros_like(x1), 0
+    rank = max(t.dim() for t in (grad, x1, x2, dist)) - 1
+    grad, x1, x2, dist = (pad_to_rank(t, rank).contiguous() for t in (grad, x1, x2, dist))
     return func(grad, x1, x2, p, dist, **kwargs), 0
 
 
