@@ -108,9 +108,9 @@ def _random_in_levels(op, args, kwargs):
     from torchlevels.vmap import BatchLevel, wrap_batched
 
     if (op.overloadpacket in _DROPOUTS or op is aten.native_dropout.default) and (
-        not args[2] or (op.overloadpacket in _DROPOUTS and args[1] == 0)
+        not args[2] or (op.overloadpacket in _DROPOUTS and args[1] in (0, 1))
     ):
-        return passed_by(op, args, kwargs)  # dropout in eval mode, or of p=0, draws nothing
+        return passed_by(op, args, kwargs)  # eval mode, p=0 or p=1: the dropout draws nothing
     classes = [c for c in enclosing_classes(innermost()) if isinstance(c._level, BatchLevel)]
     for cls in classes:
         if cls._level.randomness == "error":
