@@ -525,3 +525,35 @@ def test_forward_over_forward_of_an_in_place_write_after_abs():
         return a.clone().mul_(a)
 
     torch.testing.assert_close(tl.jacfwd(tl.jacfwd(f))(x), ft.jacfwd(ft.jacfwd(f))(x))
+
+
+# backward formulas that take a non-differentiable shortcut unless their pass is recorded
+# (linalg.solve reuses its LU factors; silu, mish and logit have their own kernels)
+FORWARD_OVER_REVERSE = {
+    "solve": lambda a, b: torch.linalg.solve(a, b),
+    "det": lambda a, b: torch.linalg.det(a) * b,
+    "slogdet": lambda a, b: torch.linalg.slogdet(a)[1] * b,
+    "silu": lambda a, b: torch.nn.functional.silu(a @ b),
+    "mish": lambda a, b: torch.nn.functional.mish(a @ b),
+    "logit": lambda a, b: torch.logit(torch.sigmoid(a @ b), eps=1e-6),
+}
+
+
+@pytest.mark.parametrize("batched", [False, True], ids=["jvp(grad)", "vmap(jvp(grad))"])
+@pytest.mark.parametrize("case", list(FORWARD_OVER_REVERSE))
+def test_forward_over_reverse_through_shortcut_backwards(case, batched):
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(3, 4, 4, generator=gen, dtype=torch.float64) + 4 * torch.eye(4)
+    b = torch.randn(3, 4, generator=gen, dtype=torch.float64)
+    weights = torch.linspace(-1, 1, 4, dtype=torch.float64)
+
+    def hvp(lib):
+        def loss(a, b):
+            return (FORWARD_OVER_REVERSE[case](a, b) * weights).sum()
+
+        def one(a, b):
+            return lib.jvp(lib.grad(loss, argnums=(0, 1)), (a, b), (a.cos(), b.sin()))[1]
+
+        return lib.vmap(one)(a, b) if batched else one(a[0], b[0])
+
+    torch.testing.assert_close(hvp(tl), hvp(ft))

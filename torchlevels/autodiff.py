@@ -121,7 +121,7 @@ class GradLevel(Level):
     def __init__(self, name: str = "grad") -> None:
         super().__init__()
         self.kind = name
-        self.nested_in_grad = False  # an enclosing grad level must see our backward pass
+        self.nested_in_grad = False  # an enclosing grad or jvp level must see our backward
         # whether an op read a captured tensor that autograd outside tracks: then the
         # backward pass must be recorded for it too, as when an input requires grad
         self.captures_tracked = False
@@ -495,8 +495,11 @@ def grad_level(name: str = "grad") -> Iterator[type[LevelTensor]]:
     """
     level = GradLevel(name)
     cls = new_level_class(level, "GradTensor")
+    # an enclosing jvp level differentiates our backward pass too: PyTorch's backward
+    # formulas take their differentiable form only when it is recorded (linalg.solve's
+    # reuses its LU factors otherwise, whose tangents forward AD lacks)
     level.nested_in_grad = any(
-        isinstance(c._level, GradLevel) for c in enclosing_classes(cls.__base__)
+        isinstance(c._level, (GradLevel, JvpLevel)) for c in enclosing_classes(cls.__base__)
     )
     # grad(f) inside no_grad or inference_mode still differentiates, as torch.func's does
     with (entered(cls), _inference_mode_off(), torch.enable_grad(), predispatch.hook(),

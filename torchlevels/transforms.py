@@ -24,6 +24,7 @@ from torchlevels._level import LevelTensor, enclosing_classes, innermost, refuse
 from torchlevels.autodiff import (
     CapturedMutationError,
     GradLevel,
+    JvpLevel,
     grad_level,
     jvp_level,
     requires_grad_within,
@@ -69,7 +70,9 @@ def _normalized(argnums: int | tuple[int, ...], args: tuple) -> int | tuple[int,
 
 
 def _grad_level_live() -> bool:
-    return any(isinstance(c._level, GradLevel) for c in enclosing_classes(innermost()))
+    """Whether a grad or jvp level is live: it differentiates a backward pass run now."""
+    return any(isinstance(c._level, (GradLevel, JvpLevel))
+               for c in enclosing_classes(innermost()))
 
 
 def _split_aux(api: str, out: Any, has_aux: bool) -> tuple[Any, Any]:
