@@ -11,7 +11,9 @@ own batch dims differ in rank). Two checks per sample:
 - wherever torchlevels runs, it matches the loop: no silently wrong gradient.
 
 Random ops are left out (a loop reseeded per example is no reference for one batched
-draw).
+draw). A second test does the same for per-example Hessian-vector products
+(``vmap(jvp(grad))``, the first three samples) against torch.func's ``jvp(grad)`` of each
+example: it found backward formulas whose shortcuts were taken when they must not be.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torchlevels as tl
 
 BATCH = 3
 SAMPLES = 12
+HVP_SAMPLES = 3
 MAX_NUMEL = 2000
 
 
@@ -38,16 +41,17 @@ def _weighted_sum(out) -> torch.Tensor:
                for o in outs)
 
 
-def _cases():
+def _cases(forward_over_reverse: bool = False):
     """(name, function of the differentiated inputs, their batched copies) per sample."""
     for op in op_db:
-        if not op.supports_autograd or torch.float64 not in op.supported_dtypes("cpu"):
+        supported = op.supports_fwgrad_bwgrad if forward_over_reverse else op.supports_autograd
+        if not supported or torch.float64 not in op.supported_dtypes("cpu"):
             continue
         try:
             samples = list(op.sample_inputs("cpu", torch.float64, requires_grad=True))
         except Exception:  # an OpInfo that cannot make samples here
             continue
-        for index, sample in enumerate(samples[:SAMPLES]):
+        for index, sample in enumerate(samples[:HVP_SAMPLES if forward_over_reverse else SAMPLES]):
             flat, spec = tree_flatten((sample.input, sample.args))
             diff = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor)
                     and t.requires_grad and t.is_floating_point() and t.numel() < MAX_NUMEL]
@@ -109,3 +113,46 @@ def test_per_example_gradients_of_every_opinfo_match_a_loop():
     assert checked > 500  # the sweep did run
     assert not wrong, f"wrong per-example gradients: {wrong}"
     assert not behind, f"torch.func gets these right and torchlevels raises: {behind}"
+
+
+def _tangents(xs) -> tuple:
+    return tuple(x.cos() for x in xs)
+
+
+def _hvp(lib, f, n: int):
+    """Forward over reverse: the Hessian-vector product of ``f`` along fixed tangents."""
+    return lambda *xs: lib.jvp(lib.grad(f, argnums=tuple(range(n))), xs, _tangents(xs))[1]
+
+
+def test_per_example_hessian_vector_products_of_every_opinfo_match_torch_func():
+    """vmap(jvp(grad)) over the first samples against torch.func's jvp(grad) of each
+    example: backward formulas that take a shortcut unless their pass is recorded
+    (linalg.solve's LU factors) gave wrong products here."""
+    warnings.simplefilter("ignore")
+    behind, wrong, checked = [], [], 0
+    for name, f, batched in _cases(forward_over_reverse=True):
+        n = len(batched)
+        try:
+            with _RandomOpSpy() as spy:
+                rows = [_hvp(tf, f, n)(*(b[k] for b in batched)) for k in range(BATCH)]
+        except Exception:  # torch.func cannot take this example: no reference
+            continue
+        if spy.random:
+            continue
+        expected = [torch.stack(column) for column in zip(*rows)]
+        checked += 1
+        try:
+            got = tl.vmap(_hvp(tl, f, n))(*batched)
+        except Exception:
+            try:
+                tf.vmap(_hvp(tf, f, n))(*batched)
+            except Exception:
+                continue
+            behind.append(name)
+            continue
+        if not all(torch.allclose(g, e, rtol=1e-5, atol=1e-6, equal_nan=True)
+                   for g, e in zip(got, expected)):
+            wrong.append(name)
+    assert checked > 300
+    assert not wrong, f"wrong per-example Hessian-vector products: {wrong}"
+    assert not behind, f"torch.func's vmap runs these and torchlevels raises: {behind}"
