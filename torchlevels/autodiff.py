@@ -121,7 +121,7 @@ class GradLevel(Level):
     def __init__(self, name: str = "grad") -> None:
         super().__init__()
         self.kind = name
-        self.nested_in_grad = False  # an enclosing grad or jvp level must see our backward
+        self.nested_in_autodiff = False  # an enclosing grad or jvp level sees our backward
         # whether an op read a captured tensor that autograd outside tracks: then the
         # backward pass must be recorded for it too, as when an input requires grad
         self.captures_tracked = False
@@ -185,6 +185,14 @@ class GradLevel(Level):
         return wrap_all(cls, out)
 
 
+def autodiff_classes(cls: type[LevelTensor] | None) -> list[type[LevelTensor]]:
+    """The grad and jvp level classes among ``cls`` and the levels around it, innermost
+    first. Each differentiates a backward pass run inside it, a jvp level included:
+    PyTorch's backward formulas take their differentiable form only when that pass is
+    recorded (linalg.solve's reuses its LU factors otherwise, which have no tangents)."""
+    return [c for c in enclosing_classes(cls) if isinstance(c._level, (GradLevel, JvpLevel))]
+
+
 def requires_grad_within(t: torch.Tensor) -> bool:
     """Whether ``t``, or the tensor it wraps at any level, requires grad for autograd
     outside (not only for a grad level's own graph)."""
@@ -211,15 +219,15 @@ def _note_level_graph(out: Any, inner_args: list, inner_kwargs: dict) -> None:
     """Mark each plain result that requires grad with whether it does so only for this
     level's graph: when every argument that requires grad does (see mark_level_graph)."""
     if type(out) is torch.Tensor:
-        if out.requires_grad:
-            mark_level_graph(out, _level_graph_only(inner_args)
-                             and _level_graph_only(inner_kwargs.values()))
+        tracked = (out,) if out.requires_grad else ()
     elif isinstance(out, (tuple, list)):
-        plain = [o for o in out if type(o) is torch.Tensor and o.requires_grad]
-        if plain:
-            only = _level_graph_only(inner_args) and _level_graph_only(inner_kwargs.values())
-            for o in plain:
-                mark_level_graph(o, only)
+        tracked = [o for o in out if type(o) is torch.Tensor and o.requires_grad]
+    else:  # a tensor of an enclosing level (the common case), or no tensor
+        return
+    if tracked:
+        only = _level_graph_only(inner_args) and _level_graph_only(inner_kwargs.values())
+        for o in tracked:
+            mark_level_graph(o, only)
 
 
 def _level_graph_only(args: Any) -> bool:
@@ -495,12 +503,7 @@ def grad_level(name: str = "grad") -> Iterator[type[LevelTensor]]:
     """
     level = GradLevel(name)
     cls = new_level_class(level, "GradTensor")
-    # an enclosing jvp level differentiates our backward pass too: PyTorch's backward
-    # formulas take their differentiable form only when it is recorded (linalg.solve's
-    # reuses its LU factors otherwise, whose tangents forward AD lacks)
-    level.nested_in_grad = any(
-        isinstance(c._level, (GradLevel, JvpLevel)) for c in enclosing_classes(cls.__base__)
-    )
+    level.nested_in_autodiff = bool(autodiff_classes(cls.__base__))
     # grad(f) inside no_grad or inference_mode still differentiates, as torch.func's does
     with (entered(cls), _inference_mode_off(), torch.enable_grad(), predispatch.hook(),
           _no_fused_inference()):

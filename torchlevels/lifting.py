@@ -21,8 +21,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from torchlevels._level import enclosing_classes, innermost
-from torchlevels.autodiff import GradLevel, JvpLevel, constant
+from torchlevels._level import innermost
+from torchlevels.autodiff import autodiff_classes, constant
 from torchlevels.batching.predispatch import intercept, passed_by
 
 aten = torch.ops.aten
@@ -36,8 +36,10 @@ RECURRENT = [
 
 
 def _with_captured_lifted(op, args: tuple, kwargs: dict) -> Any:
-    levels = [c for c in enclosing_classes(innermost())
-              if isinstance(c._level, (GradLevel, JvpLevel))]
+    cell = _CELLS.get(op)
+    if cell is not None:  # out of place: no write to take into a level
+        return cell(*args, **kwargs)
+    levels = autodiff_classes(innermost())
     if levels:
         levels.reverse()  # outermost first: an outer constant may then enter an inner level
 
@@ -51,9 +53,6 @@ def _with_captured_lifted(op, args: tuple, kwargs: dict) -> Any:
             return a
 
         args = tuple(map(lift, args))
-    cell = _CELLS.get(op)
-    if cell is not None:
-        return cell(*args, **kwargs)
     # an LSTM whose arguments do not require grad (a level's tensors never report it)
     # takes oneDNN's layer kernel, which has no forward AD and whose differentiable
     # backward writes batched cotangents into plain buffers: under grad or jvp, plain ops

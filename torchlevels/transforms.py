@@ -20,11 +20,11 @@ from torch.func import functional_call, stack_module_state
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from torchlevels._dim_inputs import accepts_dims
-from torchlevels._level import LevelTensor, enclosing_classes, innermost, refuse_functional
+from torchlevels._level import LevelTensor, innermost, refuse_functional
 from torchlevels.autodiff import (
     CapturedMutationError,
     GradLevel,
-    JvpLevel,
+    autodiff_classes,
     grad_level,
     jvp_level,
     requires_grad_within,
@@ -59,7 +59,7 @@ def _needs_graph(level: GradLevel, inputs: list, grad_enabled: bool) -> bool:
 
     ``grad_enabled`` is the grad mode outside the transform, which turns it on inside.
     """
-    return grad_enabled and (level.nested_in_grad or level.captures_tracked
+    return grad_enabled and (level.nested_in_autodiff or level.captures_tracked
                              or any(map(requires_grad_within, inputs)))
 
 
@@ -67,12 +67,6 @@ def _normalized(argnums: int | tuple[int, ...], args: tuple) -> int | tuple[int,
     """Negative argnums counted from the end, checked against the number of arguments."""
     _slice_argnums(args, argnums)  # raises torch.func's errors for bad argnums
     return _validate_and_wrap_argnums(argnums, len(args))
-
-
-def _grad_level_live() -> bool:
-    """Whether a grad or jvp level is live: it differentiates a backward pass run now."""
-    return any(isinstance(c._level, (GradLevel, JvpLevel))
-               for c in enclosing_classes(innermost()))
 
 
 def _split_aux(api: str, out: Any, has_aux: bool) -> tuple[Any, Any]:
@@ -224,7 +218,7 @@ def vjp(func: Callable, *primals: Any, has_aux: bool = False) -> tuple:
         grads = [None] * len(leaves)
         if tracked:
             create_graph = torch.is_grad_enabled() and (
-                inputs_require_grad or _grad_level_live()
+                inputs_require_grad or bool(autodiff_classes(innermost()))
                 or any(c.requires_grad for _, c in tracked)
             )
             grads = list(torch.autograd.grad(

@@ -213,6 +213,7 @@ def unwrap_args(cls, args: tuple) -> tuple[list, list, bool]:
             inner = a._inner
             phys.append(inner)
             dims.append(a._bdim)
+            # requires_grad first: the usual answer, without a call, on every op's arguments
             grad = grad or (inner.requires_grad and tracked_outside(inner))
         elif type(a) is list and any(type(t) is cls for t in a):
             phys.append([t._inner if type(t) is cls else t for t in a])
