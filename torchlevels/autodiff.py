@@ -442,6 +442,10 @@ def _from_dual(cls, out: Any, level: int) -> Any:
         if level < 0:
             return _wrap(cls, out)
         primal, tangent = _unpack_dual(out, level=level)
+        if tangent is not None and tangent._is_zerotensor():
+            # a known zero (sgn's derivative) as no tangent: an in-place op writing a
+            # tangent batched by an enclosing vmap into it makes one batched as that is
+            tangent = None
         return _wrap(cls, primal, tangent)  # every output is ours (as in GradLevel)
     if isinstance(out, (tuple, list)):
         return type(out)(_from_dual(cls, o, level) for o in out)
