@@ -524,6 +524,78 @@ def test_forward_over_forward_of_an_in_place_write_after_abs():
     torch.testing.assert_close(tl.jacfwd(tl.jacfwd(f))(x), ft.jacfwd(ft.jacfwd(f))(x))
 
 
+def _scale_in_place(x):
+    n = (x * 2).clone()
+    n.mul_(x)
+    return n
+
+
+def _clamp_in_place(x):
+    n = (x * 2).clone()
+    n.clamp_min_(torch.scalar_tensor(-0.5, dtype=x.dtype))
+    return n * n
+
+
+# PyTorch's forward AD writes an in-place op's new tangent into the old one. A tangent
+# that the enclosing vmap did not batch (or the enclosing grad did not see) while its
+# primal was could not take it (UnbatchedWriteError, CapturedMutationError); jvp now lifts
+# such a tangent to its primal's levels, as torch.func's make_dual does
+@pytest.mark.parametrize("f", [_scale_in_place, _clamp_in_place], ids=lambda f: f.__name__)
+@pytest.mark.parametrize("outer", ["vmap", "grad", "jacrev", "jacfwd"])
+def test_jvp_of_an_in_place_op_along_a_tangent_the_enclosing_level_lacks(f, outer):
+    gen = torch.Generator().manual_seed(0)
+    xs = torch.randn(3, 2, N, dtype=DTYPE, generator=gen)
+    t = torch.randn(2, N, dtype=DTYPE, generator=gen)  # shared by every example
+    x = xs[0].clone()  # not a view: make_dual would copy a view's tangent to its layout
+
+    def run(lib):
+        def tangent_out(x):
+            return lib.jvp(f, (x,), (t,))[1]
+
+        if outer == "vmap":
+            return lib.vmap(tangent_out)(xs)
+        if outer == "grad":
+            return lib.grad(lambda x: (tangent_out(x) * x.cos()).sum())(x)
+        return getattr(lib, outer)(tangent_out)(x)
+
+    torch.testing.assert_close(run(tl), run(ft))
+
+
+def _cosine_similarity(x):
+    return torch.nn.functional.cosine_similarity(x, W.T[:2], dim=-1)
+
+
+def _clamp_in_place_without_grad(x):
+    n = (x * x).sum(-1, keepdim=True).clone()
+    with torch.no_grad():
+        n.clamp_min_(1e-8)
+    return x * n
+
+
+# cosine_similarity clamps its norms in place under no_grad. The written primal was taken
+# from forward AD's view of it, made under no_grad, which cut its history: reverse over
+# forward was silently wrong (found by an OpInfo sweep of jacrev(jacfwd))
+@pytest.mark.parametrize("f", [_cosine_similarity, _clamp_in_place_without_grad],
+                         ids=lambda f: f.__name__)
+@pytest.mark.parametrize("chain", [("grad", "jvp"), ("vjp", "jvp"), ("jacrev", "jacfwd"),
+                                   ("vmap", "jacrev", "jacfwd")], ids=_chain_id)
+def test_reverse_over_forward_through_an_in_place_op_under_no_grad(f, chain):
+    base = make_input(chain)
+    x = torch.stack([base, base.flip(-1)], -2)  # two rows of N, per example
+    torch.testing.assert_close(compose(tl, chain, f)(x), compose(ft, chain, f)(x))
+
+
+# forward AD's tangent of a constant argument is a ZeroTensor; vmap's rule for dot runs
+# it as mv, whose kernel read it without its dispatch key (which is off inside
+# __torch_dispatch__) and raised "data is not allocated yet"
+@pytest.mark.parametrize("op", [torch.dot, torch.vdot, torch.inner, torch.linalg.vecdot],
+                         ids=lambda op: op.__name__)
+def test_forward_over_forward_of_a_product_with_a_constant(op):
+    x = make_input(())
+    f = lambda v: op(v.sin(), W[:, 0]) * v.sum()  # noqa: E731
+    torch.testing.assert_close(tl.jacfwd(tl.jacfwd(f))(x), ft.jacfwd(ft.jacfwd(f))(x))
+
+
 # backward formulas that take a non-differentiable shortcut unless their pass is recorded
 # (linalg.solve reuses its LU factors; silu, mish and logit have their own kernels)
 FORWARD_OVER_REVERSE = {

@@ -276,7 +276,8 @@ class JvpLevel(Level):
 
     def wrap(self, cls, primal: torch.Tensor, tangent: torch.Tensor) -> torch.Tensor:
         """``J(primal, tangent)``: a tensor of this level."""
-        return _wrap(cls, _normal(primal), _normal(tangent))
+        primal = _normal(primal)
+        return _wrap(cls, primal, _lift_tangent(_normal(tangent), primal))
 
     def unwrap(self, cls, tensor: Any) -> tuple[Any, Any]:
         """(primal, tangent) one level out; a constant has a zero tangent."""
@@ -311,7 +312,7 @@ class JvpLevel(Level):
             dual_kwargs = {k: _to_dual(v, cls, level) for k, v in kwargs.items()}
             out = func(*dual_args, **dual_kwargs)
             if inplace:
-                return _update_inplace(args[0], *_unpack_dual(dual_args[0], level=level))
+                return _update_inplace(args[0], *_written(args[0], dual_args[0], level))
             out = _from_dual(cls, out, level)
         if (returns_view(func) and type(args[0]) is cls and isinstance(out, torch.Tensor)
                 and out._tangent is None and _view_tangent(args[0]) is None):
@@ -319,6 +320,38 @@ class JvpLevel(Level):
             # with a tangent, like detach)
             out._view_of = (args[0], [(func, args[1:], kwargs)])
         return out
+
+
+def _written(self_: torch.Tensor, dual: torch.Tensor, level: int) -> tuple:
+    """(primal, tangent) of ``self_`` after an in-place op run on its dual. A dual made by
+    make_dual is a view, so the inner tensor itself holds the new value and keeps its
+    history. With no tangent before, the inner tensor itself was passed and forward AD
+    set one on it: the primal is then a view of it without it, made differentiable even
+    under no_grad (which the op's history through the inner tensor must survive)."""
+    if dual is not self_._inner:
+        return self_._inner, _unpack_dual(dual, level=level)[1]
+    with contextlib.nullcontext() if torch.is_grad_enabled() else torch.enable_grad():
+        return _unpack_dual(dual, level=level)
+
+
+def _levels(t: Any) -> set[type]:
+    """The level classes ``t`` is a tensor of (its wrappers, one inside the other)."""
+    found = set()
+    while isinstance(t, LevelTensor):
+        found.add(type(t))
+        t = t._inner
+    return found
+
+
+def _lift_tangent(tangent: torch.Tensor, primal: torch.Tensor) -> torch.Tensor:
+    """``tangent`` as a tensor of every level ``primal`` is a tensor of, as torch.func's
+    make_dual does: a tangent that vmap does not batch (or a grad level does not see) while
+    its primal is batched (seen) cannot take the new tangent of an in-place op on the
+    primal, which PyTorch's forward AD writes into the old one."""
+    if _levels(primal) <= _levels(tangent):
+        return tangent
+    lifted = _new_zeros_with_same_feature_meta(tangent, primal)
+    return lifted.copy_(tangent)
 
 
 def _jvp_inplace_view(cls, view, args, kwargs) -> torch.Tensor:

@@ -221,10 +221,20 @@ def unwrap_args(cls, args: tuple) -> tuple[list, list, bool]:
             grad = grad or any(isinstance(t, torch.Tensor) and tracked_outside(t)
                                for t in phys[-1])
         else:
+            if isinstance(a, torch.Tensor):
+                if a._is_zerotensor():
+                    a = _zeros(a)
+                grad = grad or tracked_outside(a)
             phys.append(a)
             dims.append(None)
-            grad = grad or (isinstance(a, torch.Tensor) and tracked_outside(a))
     return phys, dims, grad
+
+
+def _zeros(zero: torch.Tensor) -> torch.Tensor:
+    """A ZeroTensor (the tangent forward AD makes for an argument without one) as real
+    zeros: inside ``__torch_dispatch__`` its dispatch key is off, and a kernel that a rule
+    calls on it (``dot`` run as ``mv``) would read memory it does not have."""
+    return torch.zeros(zero.shape, dtype=zero.dtype, device=zero.device)
 
 
 def _rewrap_inplace(self: torch.Tensor, inner: torch.Tensor, bdim: int) -> None:
