@@ -49,8 +49,6 @@ XFAILS: dict[str, dict[str, str]] = {
                 "and numbers in forward-over-reverse; torchlevels.hessian gives "
                 "torch.func.jacrev(jacrev)'s NaNs (tests/test_transforms_api.py)",
             'linalg.norm.subgradients_at_zero', 'masked.logaddexp'),
-        **_each('both: torch.func fails too: result 3: Tensor-likes are not close!; Mismatched elements: 36 / 36 (100.0%); Greatest abs',
-            'nn.functional.layer_norm'),
         **_each('both: torch.func fails too: RuntimeError: Trying to set a forward gradient that has a different size than that of the ',
             'triangular_solve'),
     },

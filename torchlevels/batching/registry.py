@@ -215,8 +215,12 @@ def _decomposition(func: OpOverload) -> Callable | None:
     if func in _no_decomposition:
         return None
     from torch._decomp import decomposition_table
+    from torch._decomp.decompositions_for_jvp import decomposition_table_for_jvp
 
-    decomposition = decomposition_table.get(func)
+    # a norm's backward differentiated by a level outside (a Hessian through layer_norm):
+    # PyTorch's version for that recomputes the saved mean and rstd from the input, which
+    # the core version reads as constants, dropping their share of the derivative
+    decomposition = decomposition_table_for_jvp.get(func) or decomposition_table.get(func)
     if decomposition is not None:
         return decomposition
     try:
