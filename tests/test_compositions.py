@@ -667,3 +667,19 @@ def test_forward_over_reverse_through_shortcut_backwards(case, batched):
         return lib.vmap(one)(a, b) if batched else one(a[0], b[0])
 
     torch.testing.assert_close(hvp(tl), hvp(ft))
+
+
+# in-place ops PyTorch does not tag pointwise (abs_, copysign_) were batched by torch._refs
+# decompositions written with prims, which autograd cannot differentiate: grad around a
+# vmap raised. They batch as their out-of-place op does now
+@pytest.mark.parametrize("write", ["abs_", "copysign_", "xlogy_"])
+@pytest.mark.parametrize("chain", [("grad", "vmap"), ("vmap", "grad"), ("jacrev", "jacrev")],
+                         ids=_chain_id)
+def test_untagged_in_place_pointwise_ops_under_autodiff(write, chain):
+    def f(x):
+        y = (x * x - 0.3).clone()
+        args = {"abs_": (), "copysign_": (x.flip(-1),), "xlogy_": (2.0,)}[write]
+        return getattr(y, write)(*args).pow(2) * x
+
+    x = make_input(chain)
+    torch.testing.assert_close(compose(tl, chain, f)(x), compose(ft, chain, f)(x))

@@ -670,3 +670,47 @@ def test_per_sample_gradients_of_a_transformer_layer_match_torch_func(training):
         return lib.vmap(lib.grad(loss), in_dims=(None, 0))(params, xs)
 
     assert_tree_close(per_sample(tl), per_sample(tf))
+
+
+# layers whose Hessian in their parameters PyTorch gives by double backward; each found
+# or guards a silently wrong second derivative through a backward batched by jacrev's
+# vmap (layer_norm read its saved statistics as constants; prelu's ran as prims, whose
+# autograd kernel turned grad mode off, giving zeros)
+HESSIAN_LAYERS = {
+    "linear": (lambda: nn.Linear(3, 2), (4, 3)),
+    "conv1d": (lambda: nn.Conv1d(2, 2, 2), (2, 2, 4)),
+    "conv_transpose1d": (lambda: nn.ConvTranspose1d(2, 1, 2), (2, 2, 3)),
+    "layer_norm": (lambda: nn.LayerNorm(3), (2, 3)),
+    "group_norm": (lambda: nn.GroupNorm(2, 4), (2, 4, 2)),
+    "batch_norm_train": (lambda: nn.BatchNorm1d(3, track_running_stats=False), (4, 3)),
+    "instance_norm": (lambda: nn.InstanceNorm1d(2, affine=True), (2, 2, 3)),
+    "rms_norm": (lambda: nn.RMSNorm(3), (2, 3)),
+    "prelu": (lambda: nn.PReLU(2), (3, 2)),
+    "gru": (lambda: nn.GRU(2, 2, batch_first=True), (1, 2, 2)),
+}
+
+
+@pytest.mark.parametrize("composition", ["hessian", "jacfwd(jacrev)", "jacrev(jacfwd)"])
+@pytest.mark.parametrize("layer", list(HESSIAN_LAYERS))
+def test_hessian_of_a_layer_in_its_parameters_matches_autograd(layer, composition):
+    make, shape = HESSIAN_LAYERS[layer]
+    torch.manual_seed(0)
+    module = make().double()
+    x = torch.randn(*shape, dtype=torch.float64)
+    params = {k: v.detach() for k, v in module.named_parameters()}
+    flat = torch.cat([p.flatten() for p in params.values()])
+
+    def loss(v):
+        split = torch.split(v, [p.numel() for p in params.values()])
+        named = {k: s.view(p.shape) for (k, p), s in zip(params.items(), split)}
+        out = torch.func.functional_call(module, named, (x,))
+        out = out[0] if isinstance(out, tuple) else out
+        weights = torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view(out.shape)
+        return (out * weights).sin().sum()
+
+    if composition == "hessian":
+        h = tl.hessian(loss)
+    else:
+        outer, inner = composition.rstrip(")").split("(")
+        h = getattr(tl, outer)(getattr(tl, inner)(loss))
+    torch.testing.assert_close(h(flat), torch.autograd.functional.hessian(loss, flat))

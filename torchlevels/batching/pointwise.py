@@ -114,7 +114,15 @@ def raise_inplace_unbatched_self(func) -> None:
 
 
 def _is_pointwise(func) -> bool:
-    return torch.Tag.pointwise in func.tags
+    if torch.Tag.pointwise in func.tags:
+        return True
+    # in-place variants PyTorch leaves untagged (abs_, copysign_): as their own op is
+    name = func.overloadpacket.__name__
+    if torch.Tag.inplace not in func.tags or not name.endswith("_"):
+        return False
+    packet = getattr(torch.ops.aten, name[:-1], None)
+    functional = getattr(packet, func._overloadname, None) if packet is not None else None
+    return functional is not None and torch.Tag.pointwise in functional.tags
 
 
 register_family("pointwise", _is_pointwise, pointwise_rule)

@@ -221,15 +221,23 @@ def _decomposition(func: OpOverload) -> Callable | None:
     # PyTorch's version for that recomputes the saved mean and rstd from the input, which
     # the core version reads as constants, dropping their share of the derivative
     decomposition = decomposition_table_for_jvp.get(func) or decomposition_table.get(func)
-    if decomposition is not None:
-        return decomposition
     try:
         composite = func.has_kernel_for_dispatch_key(
             torch._C.DispatchKey.CompositeImplicitAutograd
         )
     except RuntimeError:  # TorchScript-only overloads (e.g. index.Tensor_hacked_twin)
-        return None
-    return func.decompose if composite else None
+        composite = False
+    if composite and (decomposition is None or _calls_prims(decomposition)):
+        # PyTorch's own decomposition, in aten ops. A torch._refs one calls prims, whose
+        # autograd kernel turns grad mode off: a grad level around the vmap would record
+        # nothing (a silently zero second derivative through prelu's backward)
+        return func.decompose
+    return decomposition
+
+
+def _calls_prims(decomposition: Callable) -> bool:
+    """Whether ``decomposition`` is written with prims (those of ``torch._refs``)."""
+    return getattr(decomposition, "__module__", "").startswith("torch._refs")
 
 
 def registered_ops() -> Iterable[OpOverload | OpOverloadPacket]:
