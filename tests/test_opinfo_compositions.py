@@ -6,9 +6,10 @@ OpInfo sweep (test_opinfo_vmap.py) and the single-transform sweep
 forward AD run over another level; these do. Three tests:
 
 - Per-example gradients: ``vmap(grad)`` of a weighted sum of the op's outputs over a
-  batch of three perturbed copies of the sample's differentiated inputs, against
-  torch.autograd in a Python loop (it found cdist's backward failing when an example's
-  own batch dims differ in rank).
+  batch of three perturbed copies of the sample's differentiated inputs, and ``grad`` of
+  its sum over a ``vmap``, against torch.autograd in a Python loop (they found cdist's
+  backward failing when an example's own batch dims differ in rank, and batching rules
+  whose pieces differentiate unlike the op).
 - Per-example Hessian-vector products: ``vmap(jvp(grad))`` over the first three samples
   against torch.func's ``jvp(grad)`` of each example (it found backward formulas whose
   shortcuts were taken when they must not be).
@@ -102,17 +103,30 @@ def _loop(f, batched) -> list | None:
     return [torch.stack(column) for column in zip(*rows)]
 
 
-def _matches(lib, f, batched, expected) -> bool | None:
-    """Whether lib's vmap(grad) matches the loop; None when it raises."""
+def _per_example(lib, order: str, f, n: int):
+    """Per-example gradients by ``vmap(grad)``, or by ``grad`` of the sum over a ``vmap``
+    (each example's gradient too, since examples do not interact)."""
+    argnums = tuple(range(n))
+    if order == "vmap(grad)":
+        return lib.vmap(lib.grad(f, argnums=argnums))
+    return lib.grad(lambda *xs: lib.vmap(f)(*xs).sum(), argnums=argnums)
+
+
+def _matches(lib, order: str, f, batched, expected) -> bool | None:
+    """Whether lib's per-example gradients match the loop; None when it raises."""
     try:
-        got = lib.vmap(lib.grad(f, argnums=tuple(range(len(batched)))))(*batched)
+        got = _per_example(lib, order, f, len(batched))(*batched)
     except Exception:
         return None
     return all(torch.allclose(g, e, rtol=1e-5, atol=1e-6, equal_nan=True)
                for g, e in zip(got, expected))
 
 
-def test_per_example_gradients_of_every_opinfo_match_a_loop():
+@pytest.mark.parametrize("order", ["vmap(grad)", "grad(vmap)"])
+def test_per_example_gradients_of_every_opinfo_match_a_loop(order):
+    """``grad(vmap)`` differentiates the batching rules themselves: a rule's pieces must
+    differentiate as the op does (``_safe_softmax`` of a fully masked row gave NaN, a
+    per-example ``index_fill`` value counted a repeated index twice)."""
     warnings.simplefilter("ignore")
     behind, wrong, checked = [], [], 0
     for name, f, batched in _cases():
@@ -123,10 +137,10 @@ def test_per_example_gradients_of_every_opinfo_match_a_loop():
         if expected is None:
             continue
         checked += 1
-        ours = _matches(tl, f, batched, expected)
+        ours = _matches(tl, order, f, batched, expected)
         if ours is False:
             wrong.append(name)
-        elif ours is None and _matches(tf, f, batched, expected):
+        elif ours is None and _matches(tf, order, f, batched, expected):
             behind.append(name)
     assert checked > 500  # the sweep did run
     assert not wrong, f"wrong per-example gradients: {wrong}"

@@ -238,13 +238,21 @@ def index_update(func, args, dims, kwargs):
     fill = func.overloadpacket in (aten.index_fill, aten.index_fill_)
     source_bdim = None  # a fill value shared by all examples
     if fill and dims[3] is not None:
-        # a different fill value per example: copy it in as a source instead
-        shape = list(x.shape)
-        shape[d] = index.numel() // (size if dims[2] is not None else 1)  # entries per example
-        source = to_front(source, dims[3]).to(x.dtype).view(size, *(1,) * (x.dim() - 1))
-        source, source_bdim = source.expand(shape), 0
-        func = aten.index_copy_.default if inplace else aten.index_copy.default
-    elif not fill:
+        # a different fill value per example: a where over the filled entries (copying an
+        # expanded value in would count a repeated index twice in the value's gradient)
+        mask = torch.zeros(x.shape, dtype=torch.bool, device=x.device)
+        if dims[2] is None:
+            mask = mask.index_fill_(d, index, True)
+        else:
+            mask = _folded_update(aten.index_fill.int_Scalar, mask, d, index, dims[2], True,
+                                  None, [], {})
+        value = to_front(source, dims[3]).to(x.dtype).view(size, *(1,) * (x.dim() - 1))
+        out = torch.where(mask, value, x)
+        if inplace:
+            x.copy_(out)
+            return self, dims[0]
+        return (out.squeeze(-1) if rank == 0 else out), 0
+    if not fill:
         source, source_bdim = materialize(source, dims[3], size), 0
         if source.dim() < x.dim():  # a 0-dim source for a 0-dim self or index
             source = source.unsqueeze(-1)

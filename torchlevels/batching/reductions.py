@@ -99,7 +99,7 @@ register_family("reduction", _has_dim_arg, dim_rule)
 
 # Ops that work along a dim without the reduction tag: one line declares them all.
 register(
-    aten._softmax, aten._log_softmax, aten._softmax_backward_data,
+    aten._softmax, aten._log_softmax, aten._safe_softmax, aten._softmax_backward_data,
     aten._log_softmax_backward_data, aten.cumsum, aten.cumprod, aten.logcumsumexp,
     aten.cummax, aten.cummin, aten.sort, aten.argsort, aten.topk, aten.kthvalue, aten.flip,
     aten.median.dim, aten.nanmedian.dim, aten.mode, aten.glu, aten.linalg_cross,
