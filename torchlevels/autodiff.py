@@ -330,7 +330,7 @@ def _written(self_: torch.Tensor, dual: torch.Tensor, level: int) -> tuple:
     under no_grad (which the op's history through the inner tensor must survive)."""
     if dual is not self_._inner:
         return self_._inner, _unpack_dual(dual, level=level)[1]
-    with contextlib.nullcontext() if torch.is_grad_enabled() else torch.enable_grad():
+    with torch.enable_grad():
         return _unpack_dual(dual, level=level)
 
 

@@ -26,16 +26,16 @@ from torchlevels.batching.dims import (
     wrap_dim,
 )
 from torchlevels.batching.pointwise import pointwise_rule, raise_inplace_unbatched_self
-from torchlevels.batching.registry import batch_size, loop_rule, register, writes_first_argument
+from torchlevels.batching.registry import (
+    batch_size,
+    loop_rule,
+    out_of_place,
+    register,
+    writes_first_argument,
+)
 
 aten = torch.ops.aten
 MASK_DTYPES = (torch.bool, torch.uint8)
-
-
-def _out_of_place(func):
-    """``index_add_.default`` -> ``index_add.default``."""
-    packet = getattr(aten, func.overloadpacket.__name__.rstrip("_"))
-    return getattr(packet, func._overloadname)
 
 
 def _dynamic_shape_error(what: str) -> RuntimeError:
@@ -259,7 +259,7 @@ def index_update(func, args, dims, kwargs):
     if dims[2] is None:
         out = func(x, d, index, source, *rest, **kwargs)
     else:
-        out = _folded_update(_out_of_place(func) if inplace else func, x, d, index, dims[2],
+        out = _folded_update(out_of_place(func) if inplace else func, x, d, index, dims[2],
                              source, source_bdim, rest, kwargs)
         if inplace:
             x.copy_(out)

@@ -14,6 +14,7 @@ from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dty
 from torchlevels.batching.dims import materialize, pad_to_rank, to_front
 from torchlevels.batching.registry import (
     batch_size,
+    out_of_place,
     register,
     register_family,
     writes_first_argument,
@@ -117,11 +118,7 @@ def _is_pointwise(func) -> bool:
     if torch.Tag.pointwise in func.tags:
         return True
     # in-place variants PyTorch leaves untagged (abs_, copysign_): as their own op is
-    name = func.overloadpacket.__name__
-    if torch.Tag.inplace not in func.tags or not name.endswith("_"):
-        return False
-    packet = getattr(torch.ops.aten, name[:-1], None)
-    functional = getattr(packet, func._overloadname, None) if packet is not None else None
+    functional = out_of_place(func) if torch.Tag.inplace in func.tags else None
     return functional is not None and torch.Tag.pointwise in functional.tags
 
 

@@ -179,6 +179,17 @@ def written_arguments(func: OpOverload) -> tuple[int | None, ...]:
 
 
 @_per_op
+def out_of_place(func: OpOverload) -> OpOverload | None:
+    """The out-of-place op of an in-place one (``index_add_.default`` ->
+    ``index_add.default``); None for other ops, or where aten has none."""
+    name = func.overloadpacket.__name__
+    if not name.endswith("_"):
+        return None
+    packet = getattr(torch.ops.aten, name[:-1], None)
+    return getattr(packet, func._overloadname, None) if packet is not None else None
+
+
+@_per_op
 def out_of_place_view(func: OpOverload) -> OpOverload | None:
     """The view op that ``func`` does in place if it only changes metadata (``t_`` ->
     ``t``, ``squeeze_.dim`` -> ``squeeze.dim``), else None."""
