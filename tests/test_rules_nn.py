@@ -360,6 +360,24 @@ def test_batch_norm_training_with_unbatched_running_stats_errors():
     torch.testing.assert_close(rm, torch.zeros(5))  # left untouched
 
 
+@pytest.mark.parametrize("spatial", [0, 2])
+def test_batch_norm_training_of_an_ensemble_on_shared_input(spatial):
+    """Only the affine parameters batched: the statistics, and so the running-stat update,
+    are the same for every member (as in torch.func, which updates them once)."""
+    x = torch.randn((4, 3) + (5,) * spatial)
+    w, b = torch.randn(B, 3), torch.randn(B, 3)
+    stats = {}
+    for name, lib_vmap in (("ours", vmap), ("torch.func", torch.func.vmap)):
+        rm, rv = torch.zeros(3), torch.ones(3)
+        out = lib_vmap(lambda w, b, rm=rm, rv=rv: F.batch_norm(x, rm, rv, w, b, training=True),
+                       in_dims=(0, 0))(w, b)
+        stats[name] = (out, rm, rv)
+    torch.testing.assert_close(stats["ours"], stats["torch.func"])
+    loop = [F.batch_norm(x, torch.zeros(3), torch.ones(3), wi, bi, training=True)
+            for wi, bi in zip(w, b)]
+    torch.testing.assert_close(stats["ours"][0], torch.stack(loop))
+
+
 def test_norm_modules():
     x = torch.randn(B, 2, 4, 5, 5)
     for module in (torch.nn.BatchNorm2d(4, track_running_stats=False), torch.nn.GroupNorm(2, 4),
@@ -420,6 +438,28 @@ def test_nll_loss_and_cross_entropy(reduction, shape, xb, tb, wb):
     for loss in (F.nll_loss, F.cross_entropy):
         check(lambda x, t, w, loss=loss: loss(x, t, w, reduction=reduction), x, t, w,
               in_dims=(xd, td, wd))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("shape", [(7,), (4, 7)])
+@pytest.mark.parametrize("xb,tb", [(True, True), (True, False), (False, True)])
+def test_multilabel_margin_loss(reduction, shape, xb, tb):
+    x, xd = maybe(torch.randn(shape, dtype=torch.float64), xb)
+    t = torch.randint(-1, 7, (B,) + shape) if tb else torch.randint(-1, 7, shape)
+
+    def loss(x, t):
+        return F.multilabel_margin_loss(x, t, reduction=reduction)
+
+    check(loss, x, t, in_dims=(xd, 0 if tb else None))
+    if xb:  # per-example gradients, against autograd: the backward op batched too
+        ts = t if tb else t.expand((B,) + shape)
+        go = torch.randn(loss(x[0], ts[0]).shape, dtype=torch.float64)
+        got = vmap_without_slow_loop(lambda x, t: grad(lambda x: (loss(x, t) * go).sum())(x),
+                                     x, t, in_dims=(0, 0 if tb else None))
+        leaves = [xi.clone().requires_grad_() for xi in x]
+        want = [torch.autograd.grad((loss(xi, ti) * go).sum(), xi)[0]
+                for xi, ti in zip(leaves, ts)]
+        torch.testing.assert_close(got, torch.stack(want))
 
 
 @pytest.mark.parametrize("reduction", ["none", "mean", "sum"])

@@ -16,7 +16,7 @@ import torch
 
 from torchlevels._level import autograd_records
 from torchlevels.batching.dims import logical_rank, materialize, to_front
-from torchlevels.batching.registry import batch_size, register
+from torchlevels.batching.registry import batch_size, register, skip_decomposition
 
 aten = torch.ops.aten
 
@@ -285,7 +285,7 @@ def _batch_norm(args, dims, training, momentum, eps):
     x, w, b, rm, rv = args
     xd, wd, bd, md, vd = dims
     size = batch_size(args, dims)
-    if training and rm is not None and (md is None or vd is None):
+    if training and rm is not None and xd is not None and (md is None or vd is None):
         raise RuntimeError(
             "vmap: batch norm in training mode would update running_mean/running_var in place "
             "with batched statistics, but they are not batched. If you do not need eval mode, "
@@ -414,6 +414,48 @@ def nll_loss_backward(func, args, dims, kwargs):
         go = go / materialize(total, dims[6], size).reshape(go.shape)
     grad = torch.zeros_like(x).scatter(class_dim, index, (-w * go).unsqueeze(class_dim))
     return grad, 0
+
+
+def _multilabel_rows(args, dims, size):
+    """Input, target and is_target front-batched, and each as rows ``[B*N, C]`` (``[B, C]``
+    for examples without N, ``[B, 1]`` for 0-d ones)."""
+    x = materialize(args[0], dims[0], size)
+    rows = [x.flatten(0, -2) if x.dim() > 1 else x.unsqueeze(1)]  # a 0-d x: one class
+    for a, d in zip(args[1:], dims[1:]):
+        rows.append(materialize(a, d, size).reshape(rows[0].shape))
+    return x, rows
+
+
+# torch._decomp's decomposition counts the target slots after a -1 as class 0 (wrong
+# values), and gives a 1-d input's unreduced loss a dim of 1: never use it.
+skip_decomposition(aten.multilabel_margin_loss_forward.default)
+
+
+@register(aten.multilabel_margin_loss_forward.default)
+def multilabel_margin_loss_forward(func, args, dims, kwargs):
+    """Each row's loss in one call, then each example's reduction over its rows."""
+    reduction = args[2]
+    x, (rows, target) = _multilabel_rows(args[:2], dims[:2], batch_size(args, dims))
+    loss, is_target = func(rows, target, 0)
+    loss = loss.view(x.shape[:-1] if x.dim() > 1 else x.shape)
+    if x.dim() == 3 and reduction != 0:
+        loss = loss.mean(1) if reduction == 1 else loss.sum(1)
+    return (loss, is_target.view(x.shape)), (0, 0)
+
+
+@register(aten.multilabel_margin_loss_backward.default)
+def multilabel_margin_loss_backward(func, args, dims, kwargs):
+    """Each row's gradient in one call, from each example's gradient spread over its rows."""
+    go, reduction = args[0], args[3]
+    size = batch_size(args, dims)
+    x, (rows, target, is_target) = _multilabel_rows(
+        (args[1], args[2], args[4]), (dims[1], dims[2], dims[4]), size)
+    go = materialize(go, dims[0], size)
+    if x.dim() == 3 and reduction != 0:
+        go = go.unsqueeze(1).expand(x.shape[:2])
+        go = go / x.shape[1] if reduction == 1 else go
+    grad = func(go.reshape(-1), rows, target, 0, is_target)
+    return grad.view(x.shape), 0
 
 
 # -- elementwise backward ops ----------------------------------------------------------------
