@@ -683,3 +683,41 @@ def test_untagged_in_place_pointwise_ops_under_autodiff(write, chain):
 
     x = make_input(chain)
     torch.testing.assert_close(compose(tl, chain, f)(x), compose(ft, chain, f)(x))
+
+
+# -- forward mode through ops PyTorch gives no forward-AD formula ----------------------------
+
+_ENCODER = torch.nn.TransformerEncoderLayer(4, 2, 8, dropout=0.0, batch_first=True).to(DTYPE)
+_TARGETS = torch.randint(0, 5, (4,), generator=_gen)
+NO_FORWARD_FORMULA = {  # each reaches an aten op that has none (torch.func raises)
+    "multi_margin_loss": (
+        lambda x: torch.nn.functional.multi_margin_loss(x, _TARGETS, reduction="none"), (4, 5)),
+    "CPU flash attention": (
+        lambda q: torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, q.sin(), q.cos())[0], (1, 2, 3, 4)),
+    "TransformerEncoderLayer (eval)": (lambda s: _ENCODER.eval()(s), (2, 3, 4)),
+}
+
+
+@pytest.mark.parametrize("name", NO_FORWARD_FORMULA)
+def test_forward_mode_through_an_op_without_a_forward_formula(name):
+    """jvp runs such an op as its decomposition, whose pieces have formulas; under vmap the
+    composite ops among them (matmul) must decompose too, for forward AD to see them."""
+    f, shape = NO_FORWARD_FORMULA[name]
+    x = torch.randn((3,) + shape, dtype=DTYPE, generator=_gen)
+    want = torch.stack([torch.autograd.functional.jacobian(f, xi) for xi in x])
+    torch.testing.assert_close(torch.stack([tl.jacfwd(f)(xi) for xi in x]), want)
+    torch.testing.assert_close(tl.vmap(tl.jacfwd(f))(x), want)
+    tangents = torch.randn_like(x)
+    _, got = tl.vmap(lambda xi, ti: tl.jvp(f, (xi,), (ti,)))(x, tangents)
+    torch.testing.assert_close(got, torch.einsum("b...i,bi->b...", want.flatten(-x.dim() + 1),
+                                                 tangents.flatten(1)))
+
+
+def test_forward_mode_refuses_an_op_whose_decomposition_is_wrong():
+    """multilabel_margin_loss has no forward formula, and torch._decomp's decomposition
+    miscounts targets after a -1: PyTorch's error, not that decomposition's answer."""
+    labels = torch.tensor([[1, 2, 4, -1, 0]])
+    f = lambda x: torch.nn.functional.multilabel_margin_loss(x, labels)
+    with pytest.raises(NotImplementedError, match="multilabel_margin_loss_forward"):
+        tl.jacfwd(f)(torch.randn(1, 5, dtype=DTYPE))

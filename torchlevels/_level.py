@@ -36,6 +36,11 @@ _set_excluded = torch._C._dispatch_tls_set_dispatch_key_excluded
 _restore_tls = torch._C._RestorePythonTLSSnapshot
 _no_subclass_torch_function = torch._C.DisableTorchFunctionSubclass
 _disabled_torch_function = torch._C._disabled_torch_function_impl
+# PyTorch's own requires_grad flag, which autograd reads: on a level's tensor it says
+# whether autograd of a level inside records ops on it. (A grad level's tensors answer
+# ``t.requires_grad`` to users as torch.func's do: see autodiff.py.)
+_REQUIRES_GRAD = torch._C.TensorBase.requires_grad
+requires_grad_flag = _REQUIRES_GRAD.__get__
 
 
 class EscapedTensorError(RuntimeError):
@@ -246,7 +251,7 @@ def tracked_outside(t: Any) -> bool:
     requires grad, and not only for a grad level's graph (see :func:`mark_level_graph`).
     A meta tensor never is: PyTorch makes meta copies only to learn an output's shape
     (adding a ZeroTensor tangent under forward AD)."""
-    return t.requires_grad and not t.is_meta and not getattr(t, _LEVEL_GRAPH, False)
+    return requires_grad_flag(t) and not t.is_meta and not getattr(t, _LEVEL_GRAPH, False)
 
 
 def set_logical_meta(tensor: LevelTensor, shape, strides, storage_offset: int = 0) -> None:
@@ -265,16 +270,19 @@ def escape_message(level: Level, func) -> str:
 
 
 def new_level_class(
-    level: Level, name: str, torch_function: Any = _disabled_torch_function
+    level: Level, name: str, torch_function: Any = _disabled_torch_function,
+    requires_grad: Any = _REQUIRES_GRAD,
 ) -> type[LevelTensor]:
     """Make the class for a new level, a subclass of the innermost live level's class.
 
     ``torch_function`` is its ``__torch_function__`` (vmap's answers common calls before
-    the dispatcher); a level class never inherits its parent's.
+    the dispatcher); ``requires_grad`` is what its tensors answer to ``t.requires_grad``
+    (PyTorch's own flag unless given). A level class never inherits its parent's.
     """
     parent = _innermost.get() or LevelTensor
     namespace = {"_level": level, "__module__": __name__, "__torch_function__": torch_function,
-                 "_has_torch_function": torch_function is not _disabled_torch_function}
+                 "_has_torch_function": torch_function is not _disabled_torch_function,
+                 "requires_grad": requires_grad}
     return type(name, (parent,), namespace)
 
 

@@ -38,14 +38,18 @@ from torchlevels._level import (
     follow_inner,
     mark_level_graph,
     new_level_class,
+    requires_grad_flag,
     tracked_outside,
     unwrap_own,
     wrap_all,
     wrap_inner,
 )
 from torchlevels.batching import predispatch
+from torchlevels.batching.composite import call_recorded
 from torchlevels.batching.registry import (
+    decomposition_of,
     gradient_flags,
+    is_custom_op,
     out_of_place_view,
     returns_view,
     writes_first_argument,
@@ -130,7 +134,7 @@ class GradLevel(Level):
         """``G(t)``: ``t`` as an input of this level (a fresh leaf of its graph)."""
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{cls.__name__}(t): t must be a Tensor, got {type(tensor)}")
-        if tensor.requires_grad and not isinstance(tensor, LevelTensor):
+        if not isinstance(tensor, LevelTensor) and tensor.requires_grad:
             return wrap_inner(cls, tensor.view_as(tensor))  # keeps its history for autograd outside
         leaf = tensor.clone() if tensor.is_inference() else shallow_copy(tensor)
         leaf.requires_grad_()
@@ -166,7 +170,7 @@ class GradLevel(Level):
         func = _DIFFERENTIABLE_KERNEL.get(func, func)
         with autograd_on():  # autograd on again for the inner tensors, as the user set it
             try:
-                out = func(*inner_args, **inner_kwargs)
+                out = call_recorded(func, inner_args, inner_kwargs)
             except RuntimeError as e:  # a captured tensor made under inference_mode
                 if inplace or "Inference tensors cannot be saved" not in str(e):
                     raise
@@ -183,6 +187,21 @@ class GradLevel(Level):
         # every output is ours, tracked or not: a later in-place op may write a tracked
         # value into it (``buf = zeros_like(x); buf[0] = x``), as in torch.func
         return wrap_all(cls, out)
+
+
+def _tracked_by_level(t: torch.Tensor) -> bool:
+    """``t.requires_grad`` for a grad level's tensor, as torch.func answers it: whether the
+    level tracks it (it depends on the level's inputs), for code that checks it to decide
+    what to compute for a backward pass (``F.linear_cross_entropy``, checkpointing)."""
+    return requires_grad_flag(t) or requires_grad_flag(t._inner)
+
+
+def _set_requires_grad(t: torch.Tensor, value: bool) -> None:
+    _REQUIRES_GRAD_FLAG.__set__(t, value)
+
+
+_REQUIRES_GRAD_FLAG = torch._C.TensorBase.requires_grad
+_TRACKED_BY_LEVEL = property(_tracked_by_level, _set_requires_grad)
 
 
 def autodiff_classes(cls: type[LevelTensor] | None) -> list[type[LevelTensor]]:
@@ -235,7 +254,7 @@ def _level_graph_only(args: Any) -> bool:
     plain and requires it only for a grad level's graph."""
     for a in args:
         if isinstance(a, torch.Tensor):
-            if a.requires_grad and (type(a) is not torch.Tensor or tracked_outside(a)):
+            if requires_grad_flag(a) and (type(a) is not torch.Tensor or tracked_outside(a)):
                 return False
         elif isinstance(a, (list, tuple)) and not _level_graph_only(a):
             return False
@@ -243,7 +262,8 @@ def _level_graph_only(args: Any) -> bool:
 
 
 def _is_tracked_leaf(t: Any) -> bool:
-    return isinstance(t, torch.Tensor) and t.requires_grad and not t._is_view() and t.is_leaf
+    return (isinstance(t, torch.Tensor) and requires_grad_flag(t) and not t._is_view()
+            and t.is_leaf)
 
 
 def _rebind_to_view(self_: torch.Tensor, view, inner_args: list, inner_kwargs: dict) -> Any:
@@ -307,10 +327,25 @@ class JvpLevel(Level):
         if level < 0:  # a jvp level outlived the forward-AD level it entered
             with _dual_level():
                 return self.dispatch(cls, func, args, kwargs)
+        try:
+            return self._on_duals(cls, func, args, kwargs, inplace, level)
+        except NotImplementedError as e:
+            # PyTorch has no forward-AD formula for some ops (multi_margin_loss, CPU flash
+            # attention): their decomposition's pieces have (torch.func raises here)
+            decomposition = (None if inplace or "Trying to use forward AD with" not in str(e)
+                             else decomposition_of(func))
+            if decomposition is None:
+                raise
+            return decomposition(*args, **kwargs)
+
+    def _on_duals(self, cls, func, args, kwargs, inplace: bool, level: int):
+        """``func`` run on forward AD's dual tensors of ``args``."""
         with autograd_on():
             dual_args = [_to_dual(a, cls, level) for a in args]
             dual_kwargs = {k: _to_dual(v, cls, level) for k, v in kwargs.items()}
-            out = func(*dual_args, **dual_kwargs)
+            out = call_recorded(func, dual_args, dual_kwargs)
+            if is_custom_op(func):
+                _refuse_custom_op(cls, func, args, dual_args[0] if inplace else out, level)
             if inplace:
                 return _update_inplace(args[0], *_written(args[0], dual_args[0], level))
             out = _from_dual(cls, out, level)
@@ -320,6 +355,24 @@ class JvpLevel(Level):
             # with a tangent, like detach)
             out._view_of = (args[0], [(func, args[1:], kwargs)])
         return out
+
+
+def _refuse_custom_op(cls, func, args, out: Any, level: int) -> None:
+    """PyTorch gives a ``torch.library.custom_op`` no forward-mode derivative: its outputs
+    come back from forward AD with no tangent, a silent zero. Refuse that when a tangent
+    went in and a floating-point output (or written argument) came out."""
+    if not any(type(a) is cls and a._tangent is not None for a in args):
+        return
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    if any(isinstance(o, torch.Tensor) and (o.is_floating_point() or o.is_complex())
+           and _unpack_dual(o, level=level)[1] is None for o in outs):
+        raise NotImplementedError(
+            f"jvp: {func} is a torch.library custom op, and PyTorch gives custom ops no "
+            "forward-mode derivative (register_autograd defines only the backward), so "
+            "jvp, jacfwd and hessian would silently treat it as a constant. Differentiate "
+            "through it in reverse mode (grad, vjp, jacrev), or write it as a "
+            "torch.autograd.Function with a jvp staticmethod."
+        )
 
 
 def _written(self_: torch.Tensor, dual: torch.Tensor, level: int) -> tuple:
@@ -539,7 +592,7 @@ def grad_level(name: str = "grad") -> Iterator[type[LevelTensor]]:
         tensor(6.)
     """
     level = GradLevel(name)
-    cls = new_level_class(level, "GradTensor")
+    cls = new_level_class(level, "GradTensor", requires_grad=_TRACKED_BY_LEVEL)
     level.nested_in_autodiff = bool(autodiff_classes(cls.__base__))
     # grad(f) inside no_grad or inference_mode still differentiates, as torch.func's does
     with (entered(cls), _inference_mode_off(), torch.enable_grad(), predispatch.hook(),

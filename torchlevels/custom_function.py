@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.autograd.forward_ad as fwAD
@@ -46,16 +46,11 @@ from torchlevels.autodiff import (
     _wrap,
 )
 from torchlevels.batching.composite import _deepest_level
+from torchlevels.batching.registry import VmapInfo
 from torchlevels.vmap import BatchLevel, batch_level, wrap_batched
 
 _pytorch_apply = Function.apply.__func__  # PyTorch's own apply, called for non-level args
 
-
-class VmapInfo(NamedTuple):
-    """What a ``vmap`` staticmethod is told about the vmap level (as in torch.func)."""
-
-    batch_size: int
-    randomness: str
 
 
 def _apply(fn: type[Function], *args: Any, **kwargs: Any) -> Any:
@@ -64,14 +59,16 @@ def _apply(fn: type[Function], *args: Any, **kwargs: Any) -> Any:
     if cls is None or not cls._level.alive:
         return _pytorch_apply(fn, *args, **kwargs)
     if fn.setup_context is _SingleLevelFunction.setup_context:
-        if fn.__module__.startswith("torch."):
-            # PyTorch's own, e.g. a torch.library custom op's autograd kernel applied
-            # inside the dispatcher to the tensors of enclosing levels: they see its ops
+        if fn.__module__.startswith("torch._library."):
+            # a torch.library custom op's autograd kernel, applied inside the dispatcher
+            # to the tensors of enclosing levels: they see its ops
             return _pytorch_apply(fn, *args, **kwargs)
+        hint = (" torch.utils.checkpoint works in transforms with use_reentrant=False."
+                if fn.__module__ == "torch.utils.checkpoint" else "")
         raise RuntimeError(
             "In order to use an autograd.Function with functorch transforms "
             "(vmap, grad, jvp, jacrev, ...), it must override the setup_context "
-            "staticmethod. For more details, please see "
+            f"staticmethod ({fn.__qualname__} does not).{hint} For more details, please see "
             "https://pytorch.org/docs/main/notes/extending.func.html"
         )
     bound = inspect.signature(fn.forward).bind(*args, **kwargs)

@@ -26,6 +26,7 @@ from torchlevels._level import (
     entered,
     new_level_class,
     refuse_functional,
+    requires_grad_flag,
     set_logical_meta,
     tracked_outside,
 )
@@ -116,17 +117,20 @@ class BatchLevel(Level):
                 f"vmap: {func} got a batched tensor as a keyword-only argument, which no "
                 "batching rule handles. Pass it positionally or write a rule for the op."
             )
-        if rule.takes_level:
-            out, out_dims = rule.fn(self, func, phys, dims, kwargs)
-        elif (grad or rule.view) and torch.is_grad_enabled():
+        if (grad or rule.view) and torch.is_grad_enabled():
             # Record autograd on the inner tensors, so autograd outside vmap sees the graph.
             # A view is made as autograd's view of its base even when nothing requires
             # grad yet: a tracked value written through it later must reach the base.
             with autograd_on():
-                out, out_dims = rule.fn(func, phys, dims, kwargs)
+                out, out_dims = self._apply(rule, func, phys, dims, kwargs)
         else:
-            out, out_dims = rule.fn(func, phys, dims, kwargs)
+            out, out_dims = self._apply(rule, func, phys, dims, kwargs)
         return wrap_outputs(cls, func, rule.inplace, args, out, out_dims)
+
+    def _apply(self, rule, func, phys, dims, kwargs):
+        if rule.takes_level:
+            return rule.fn(self, func, phys, dims, kwargs)
+        return rule.fn(func, phys, dims, kwargs)
 
     def composite(self, cls, func, rule, args, kwargs):
         """Apply a composite op's rule (see batching/composite.py), or let it decompose."""
@@ -171,7 +175,7 @@ def _pointwise_fast_path(cls, func, args, kwargs):
     for a in args:
         if type(a) is cls:
             inner = a._inner
-            if a._bdim or inner.requires_grad or (rank != inner.dim() and rank != -1):
+            if a._bdim or requires_grad_flag(inner) or (rank != inner.dim() and rank != -1):
                 return None
             rank = inner.dim()
             phys.append(inner)
@@ -213,8 +217,8 @@ def unwrap_args(cls, args: tuple) -> tuple[list, list, bool]:
             inner = a._inner
             phys.append(inner)
             dims.append(a._bdim)
-            # requires_grad first: the usual answer, without a call, on every op's arguments
-            grad = grad or (inner.requires_grad and tracked_outside(inner))
+            # the flag first: the usual answer, without a Python call, on every op's arguments
+            grad = grad or (requires_grad_flag(inner) and tracked_outside(inner))
         elif type(a) is list and any(type(t) is cls for t in a):
             phys.append([t._inner if type(t) is cls else t for t in a])
             dims.append(tuple(t._bdim if type(t) is cls else None for t in a))

@@ -8,11 +8,16 @@ to let the op decompose as usual, its pieces batched one by one.
 
 from __future__ import annotations
 
+from contextvars import ContextVar
+from typing import Any
+
 import torch
+from torch._ops import OpOverload
 
 from torchlevels._level import LevelTensor
 from torchlevels.batching.dims import pad_to_rank, to_front
 from torchlevels.batching.predispatch import intercept, passed_by
+from torchlevels.batching.registry import per_op
 
 aten = torch.ops.aten
 
@@ -33,6 +38,7 @@ def _deepest_level(args: tuple) -> type[LevelTensor] | None:
 
 
 _ops: list = []
+_op_set: set = set()
 
 
 def composite_ops() -> list:
@@ -40,11 +46,41 @@ def composite_ops() -> list:
     return list(_ops)
 
 
+# Set while autograd or forward AD records ops on the tensors of a vmap level themselves.
+_recording: ContextVar[bool] = ContextVar("torchlevels_recording", default=False)
+
+
+def call_recorded(func: OpOverload, args: Any, kwargs: dict) -> Any:
+    """``func(*args, **kwargs)`` where autograd or forward AD records ops on the tensors of an
+    enclosing vmap level themselves (a grad or jvp level runs its ops on them). A composite
+    op among ``func`` and its pieces decomposes there, so that its pieces are recorded,
+    instead of taking vmap's rule for it, which would compute beneath the record (a jvp of
+    matmul with no tangent)."""
+    if not _is_composite(func):
+        return func(*args, **kwargs)
+    token = _recording.set(True)
+    try:
+        return func(*args, **kwargs)
+    finally:
+        _recording.reset(token)
+
+
+@per_op
+def _is_composite(func: OpOverload) -> bool:
+    try:
+        return func in _op_set or func.has_kernel_for_dispatch_key(
+            torch._C.DispatchKey.CompositeImplicitAutograd)
+    except RuntimeError:  # TorchScript-only overloads
+        return False
+
+
 def composite_rule(*ops):
     """Register ``rule`` for composite ``ops``, tried before they decompose under vmap."""
 
     def deco(rule):
         def handler(op, args, kwargs):
+            if _recording.get():
+                return op.decompose(*args, **kwargs)
             cls = _deepest_level(args)
             if cls is None or not cls._level.alive or not hasattr(cls._level, "composite"):
                 return passed_by(op, args, kwargs)
@@ -53,6 +89,7 @@ def composite_rule(*ops):
         for op in ops:
             intercept(op, handler)
             _ops.append(op)
+            _op_set.add(op)
         return rule
 
     return deco

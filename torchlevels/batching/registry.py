@@ -10,7 +10,8 @@ batched tensor, None for anything else, and for a list of tensors a tuple of tho
 ``out_dims`` mirrors ``out``. At least one argument is batched.
 
 Precedence, as in PyTorch's dispatcher: an op's own rule (registered for the overload,
-else for its packet) > a family rule (pointwise, reduction, ...) > a decomposition from
+else for its packet; for a ``torch.library.custom_op``, the rule given to its
+``register_vmap``) > a family rule (pointwise, reduction, ...) > a decomposition from
 ``torch._decomp`` re-dispatched so its pieces are batched > a per-example loop.
 """
 
@@ -21,9 +22,10 @@ import functools
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
+from torch._library.custom_ops import _maybe_get_opdef
 from torch._ops import OpOverload, OpOverloadPacket
 
 from torchlevels.batching import shortcuts
@@ -116,7 +118,9 @@ def resolve(func: OpOverload) -> Resolved:
     """How ``func`` is batched: its own rule, a family rule, a decomposition or the loop."""
     found = resolved_by_id.get(id(func))
     if found is None:
-        found = resolved_by_id[id(func)] = _resolve(func)
+        found = _resolve(func)
+        if found.how is not How.LOOP or not is_custom_op(func):  # its rule may come later
+            resolved_by_id[id(func)] = found
     return found
 
 
@@ -126,16 +130,18 @@ def _resolve(func: OpOverload) -> Resolved:
     own = _own.get(func) or _own.get(func.overloadpacket)
     if own is not None:
         return Resolved(How.OWN, own[0], takes_level=own[1], inplace=inplace, view=view)
+    if is_custom_op(func) and _maybe_get_opdef(func)._vmap_fn is not None:
+        return Resolved(How.OWN, _custom_op_rule, takes_level=True, inplace=inplace, view=view)
     for name, applies, rule in _families:
         if applies(func):
             return Resolved(How.FAMILY, rule, name, inplace=inplace, view=view)
-    decomposition = _decomposition(func)
+    decomposition = decomposition_of(func)
     if decomposition is not None:
         return Resolved(How.DECOMPOSITION, decomposition)
     return Resolved(How.LOOP, loop_rule, inplace=inplace, view=view)
 
 
-def _per_op(compute: Callable[[OpOverload], Any]) -> Callable[[OpOverload], Any]:
+def per_op(compute: Callable[[OpOverload], Any]) -> Callable[[OpOverload], Any]:
     """``compute(func)``, cached by ``id(func)``: levels ask these on every op."""
     cache: dict[int, Any] = {}
 
@@ -151,21 +157,27 @@ def _per_op(compute: Callable[[OpOverload], Any]) -> Callable[[OpOverload], Any]
     return lookup
 
 
-@_per_op
+@per_op
+def is_custom_op(func: OpOverload) -> bool:
+    """Whether ``func`` was made by ``torch.library.custom_op``."""
+    return _maybe_get_opdef(func) is not None
+
+
+@per_op
 def writes_first_argument(func: OpOverload) -> bool:
     """Whether ``func`` writes its first argument in place (``add_``, ``copy_``, ``normal_``)."""
     first = func._schema.arguments[0].alias_info if func._schema.arguments else None
     return bool(first and first.is_write)
 
 
-@_per_op
+@per_op
 def returns_view(func: OpOverload) -> bool:
     """Whether ``func`` returns a view of an argument (slice, select, view, split...)."""
     return any(r.alias_info is not None and not r.alias_info.is_write
                for r in func._schema.returns)
 
 
-@_per_op
+@per_op
 def written_arguments(func: OpOverload) -> tuple[int | None, ...]:
     """For each output of ``func``: the position of the argument it writes and returns
     (an in-place or out= op's), else None."""
@@ -178,7 +190,7 @@ def written_arguments(func: OpOverload) -> tuple[int | None, ...]:
         for r in schema.returns)
 
 
-@_per_op
+@per_op
 def out_of_place(func: OpOverload) -> OpOverload | None:
     """The out-of-place op of an in-place one (``index_add_.default`` ->
     ``index_add.default``); None for other ops, or where aten has none."""
@@ -189,7 +201,7 @@ def out_of_place(func: OpOverload) -> OpOverload | None:
     return getattr(packet, func._overloadname, None) if packet is not None else None
 
 
-@_per_op
+@per_op
 def out_of_place_view(func: OpOverload) -> OpOverload | None:
     """The view op that ``func`` does in place if it only changes metadata (``t_`` ->
     ``t``, ``squeeze_.dim`` -> ``squeeze.dim``), else None."""
@@ -202,7 +214,7 @@ def out_of_place_view(func: OpOverload) -> OpOverload | None:
                  if _signature(view) == _signature(func) and returns_view(view)), None)
 
 
-@_per_op
+@per_op
 def gradient_flags(func: OpOverload) -> tuple[tuple[int, int], ...]:
     """For an op told which gradients to compute (``compute_input_grad``, decided by the
     caller from ``input.requires_grad``): (flag position, tensor position) pairs."""
@@ -222,7 +234,10 @@ def _is_inplace(func: OpOverload) -> bool:
     return writes_first_argument(func) and bool(ret and ret.is_write)
 
 
-def _decomposition(func: OpOverload) -> Callable | None:
+def decomposition_of(func: OpOverload) -> Callable | None:
+    """The decomposition vmap batches ``func`` by when it has no rule (None if none): one
+    that differentiates as the op does, preferred in this order: PyTorch's forward-AD
+    version, its composite one in aten ops, torch._decomp's."""
     if func in _no_decomposition:
         return None
     from torch._decomp import decomposition_table
@@ -249,6 +264,37 @@ def _decomposition(func: OpOverload) -> Callable | None:
 def _calls_prims(decomposition: Callable) -> bool:
     """Whether ``decomposition`` is written with prims (those of ``torch._refs``)."""
     return getattr(decomposition, "__module__", "").startswith("torch._refs")
+
+
+class VmapInfo(NamedTuple):
+    """What a custom op's vmap rule (or an autograd.Function's ``vmap`` staticmethod) is
+    told about the vmap level, as in torch.func."""
+
+    batch_size: int
+    randomness: str
+
+
+def _custom_op_rule(level: Any, func: OpOverload, args: tuple, dims: tuple,
+                    kwargs: dict) -> tuple[Any, Any]:
+    """A ``torch.library.custom_op``'s own rule: the function given to its ``register_vmap``,
+    called as torch.func calls it, ``rule(info, in_dims, *args, **kwargs)``."""
+    rule = _maybe_get_opdef(func)._vmap_fn
+    in_dims = tuple(list(d) if isinstance(d, tuple) else d for d in dims)
+    result = rule(VmapInfo(level.batch_size, level.randomness), in_dims, *args, **kwargs)
+    if not (isinstance(result, tuple) and len(result) == 2):
+        raise RuntimeError(
+            f"vmap: the vmap rule registered for {func} must return a pair (output, out_dims); "
+            f"got {type(result).__name__}."
+        )
+    out, out_dims = result
+    if isinstance(out_dims, (tuple, list)):
+        if not isinstance(out, (tuple, list)) or len(out) != len(out_dims):
+            raise RuntimeError(
+                f"vmap: the vmap rule registered for {func} returned out_dims={out_dims!r}, "
+                "which does not match its output: give one out_dim per output, or a single int."
+            )
+        out_dims = tuple(out_dims)
+    return out, out_dims
 
 
 def registered_ops() -> Iterable[OpOverload | OpOverloadPacket]:

@@ -1,0 +1,178 @@
+"""torch.library custom ops inside torchlevels transforms: vmap runs the op's own
+``register_vmap`` rule, as torch.func does; reverse mode runs its ``register_autograd``
+formula; forward mode, which PyTorch does not give custom ops, is refused.
+
+Each op computes in NumPy, so no aten op inside it can be batched or differentiated:
+only the registered rules can give the answer.
+"""
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import torch.func as tf
+
+import torchlevels as tl
+
+rule_calls: list[tuple] = []
+
+
+@torch.library.custom_op("tltest::np_sin_cos", mutates_args=())
+def np_sin_cos(x: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    a = x.detach().cpu().numpy()
+    return (torch.tensor(np.sin(a) * scale, device=x.device),
+            torch.tensor(np.cos(a), device=x.device))
+
+
+@np_sin_cos.register_fake
+def _(x, scale):
+    return torch.empty_like(x), torch.empty_like(x)
+
+
+@np_sin_cos.register_vmap
+def _(info, in_dims, x, scale):
+    rule_calls.append((info.batch_size, info.randomness, in_dims))
+    s, c = np_sin_cos(x, scale)
+    return (s, c), (in_dims[0], in_dims[0])
+
+
+def _sin_cos_backward(ctx, gs, gc):
+    (x,) = ctx.saved_tensors
+    return gs * ctx.scale * x.cos() - gc * x.sin(), None
+
+
+def _sin_cos_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0])
+    ctx.scale = inputs[1]
+
+
+np_sin_cos.register_autograd(_sin_cos_backward, setup_context=_sin_cos_setup)
+
+
+@torch.library.custom_op("tltest::np_exp", mutates_args=())
+def np_exp(x: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(np.exp(x.detach().cpu().numpy()), device=x.device)
+
+
+@np_exp.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("tltest::np_argmax", mutates_args=())
+def np_argmax(x: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(np.argmax(x.detach().cpu().numpy(), axis=-1), device=x.device)
+
+
+@np_argmax.register_fake
+def _(x):
+    return x.new_empty(x.shape[:-1], dtype=torch.long)
+
+
+def _loop(f, *args):
+    return torch.stack([f(*a) for a in zip(*args)])
+
+
+def test_vmap_runs_the_registered_rule_as_torch_func_does():
+    x = torch.randn(4, 5, dtype=torch.float64)
+    rule_calls.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no slow loop
+        got = tl.vmap(np_sin_cos, in_dims=(1, None), randomness="same")(x, 2.0)
+    assert rule_calls == [(5, "same", (1, None))]
+    want = tf.vmap(np_sin_cos, in_dims=(1, None), randomness="same")(x, 2.0)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+    torch.testing.assert_close(got[0], 2.0 * x.sin().T)
+
+
+def test_nested_vmap_runs_the_rule_at_each_level():
+    x = torch.randn(3, 4, 5, dtype=torch.float64)
+    rule_calls.clear()
+    got = tl.vmap(tl.vmap(lambda t: np_sin_cos(t, 1.0)[1], in_dims=1))(x)
+    assert [c[0] for c in rule_calls] == [5, 3]
+    torch.testing.assert_close(got, tf.vmap(tf.vmap(lambda t: np_sin_cos(t, 1.0)[1], in_dims=1))(x))
+
+
+def test_without_a_rule_the_slow_loop_runs_and_a_later_rule_is_used():
+    @torch.library.custom_op("tltest::np_square", mutates_args=())
+    def np_square(x: torch.Tensor) -> torch.Tensor:
+        return torch.tensor(x.detach().numpy() ** 2)
+
+    np_square.register_fake(lambda x: torch.empty_like(x))
+    x = torch.randn(3, 4)
+    with pytest.warns(UserWarning, match="no batching rule for tltest.np_square.default"):
+        torch.testing.assert_close(tl.vmap(np_square)(x), x ** 2)
+
+    calls = []
+
+    @np_square.register_vmap
+    def _(info, in_dims, x):
+        calls.append(in_dims)
+        return np_square(x), in_dims[0]
+
+    torch.testing.assert_close(tl.vmap(np_square)(x), x ** 2)
+    assert calls == [(0,)]
+
+
+def test_grad_through_the_rule_uses_the_registered_backward():
+    x = torch.randn(4, 3, dtype=torch.float64)
+
+    def loss(t):
+        s, c = np_sin_cos(t, 3.0)
+        return (s * c).sum()
+
+    def per_example(t):
+        t = t.clone().requires_grad_()
+        return torch.autograd.grad(loss(t), t)[0]
+
+    torch.testing.assert_close(tl.vmap(tl.grad(loss))(x), _loop(per_example, x))
+    torch.testing.assert_close(
+        tl.grad(lambda t: tl.vmap(loss)(t).sum())(x), _loop(per_example, x))
+    # plain autograd outside vmap records the op run by the rule
+    leaf = x.clone().requires_grad_()
+    (g,) = torch.autograd.grad(tl.vmap(loss)(leaf).sum(), leaf)
+    torch.testing.assert_close(g, _loop(per_example, x))
+
+
+def test_jvp_refuses_a_custom_op_instead_of_a_silent_zero():
+    x = torch.randn(3, dtype=torch.float64)
+    with pytest.raises(NotImplementedError, match="tltest.np_exp.default is a torch.library "
+                       "custom op.*no forward-mode derivative.*reverse mode"):
+        tl.jacfwd(np_exp)(x)
+    with pytest.raises(NotImplementedError, match="tltest.np_sin_cos.default"):
+        tl.jvp(lambda t: np_sin_cos(t, 1.0)[0], (x,), (torch.ones_like(x),))
+    # reverse mode has its formula; an op without a tangent going in is fine under jvp
+    torch.testing.assert_close(tl.jacrev(lambda t: np_sin_cos(t, 1.0)[0])(x),
+                               torch.diag(x.cos()))
+    y, t = tl.jvp(lambda a: a * np_exp(x), (x,), (torch.ones_like(x),))
+    torch.testing.assert_close(t, x.exp())
+
+
+def test_jvp_lets_a_custom_op_with_integer_outputs_through():
+    x = torch.randn(4, 5, dtype=torch.float64)
+    _, got = tl.jvp(lambda a: a.sum(-1) * np_argmax(a), (x,), (torch.ones_like(x),))
+    _, want = tf.jvp(lambda a: a.sum(-1) * a.argmax(-1), (x,), (torch.ones_like(x),))
+    torch.testing.assert_close(got, want)
+
+
+def test_a_rule_that_returns_the_wrong_shape_of_answer_is_named():
+    @torch.library.custom_op("tltest::np_neg", mutates_args=())
+    def np_neg(x: torch.Tensor) -> torch.Tensor:
+        return torch.tensor(-x.detach().numpy())
+
+    np_neg.register_fake(lambda x: torch.empty_like(x))
+    np_neg.register_vmap(lambda info, in_dims, x: np_neg(x))
+    with pytest.raises(RuntimeError, match="rule registered for tltest.np_neg.default must "
+                       "return a pair"):
+        tl.vmap(np_neg)(torch.randn(2, 3))
+
+    @torch.library.custom_op("tltest::np_pair", mutates_args=())
+    def np_pair(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.tensor(x.detach().numpy()), torch.tensor(x.detach().numpy())
+
+    np_pair.register_fake(lambda x: (torch.empty_like(x), torch.empty_like(x)))
+    np_pair.register_vmap(lambda info, in_dims, x: (np_pair(x), (0, 0, 0)))
+    with pytest.raises(RuntimeError, match=r"out_dims=\(0, 0, 0\).*one out_dim per output"):
+        tl.vmap(np_pair)(torch.randn(2, 3))
