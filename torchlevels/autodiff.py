@@ -170,7 +170,7 @@ class GradLevel(Level):
         func = _DIFFERENTIABLE_KERNEL.get(func, func)
         with autograd_on():  # autograd on again for the inner tensors, as the user set it
             try:
-                out = call_recorded(func, inner_args, inner_kwargs)
+                out = func(*inner_args, **inner_kwargs)
             except RuntimeError as e:  # a captured tensor made under inference_mode
                 if inplace or "Inference tensors cannot be saved" not in str(e):
                     raise

@@ -46,16 +46,17 @@ def composite_ops() -> list:
     return list(_ops)
 
 
-# Set while autograd or forward AD records ops on the tensors of a vmap level themselves.
+# Set while forward AD records ops on the tensors of a vmap level themselves.
 _recording: ContextVar[bool] = ContextVar("torchlevels_recording", default=False)
 
 
 def call_recorded(func: OpOverload, args: Any, kwargs: dict) -> Any:
-    """``func(*args, **kwargs)`` where autograd or forward AD records ops on the tensors of an
-    enclosing vmap level themselves (a grad or jvp level runs its ops on them). A composite
-    op among ``func`` and its pieces decomposes there, so that its pieces are recorded,
-    instead of taking vmap's rule for it, which would compute beneath the record (a jvp of
-    matmul with no tangent)."""
+    """``func(*args, **kwargs)`` where forward AD records ops on the tensors of an enclosing
+    vmap level themselves (a jvp level runs its ops on their duals). A composite op among
+    ``func`` and its pieces decomposes there, so that its pieces are recorded, instead of
+    taking vmap's rule for it, which would compute beneath the record (a jvp of matmul
+    with no tangent). A grad level gets composite ops from the user decomposed already
+    (PyTorch decomposes them above autograd), so it does not need this."""
     if not _is_composite(func):
         return func(*args, **kwargs)
     token = _recording.set(True)
