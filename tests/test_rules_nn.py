@@ -352,6 +352,21 @@ def test_batch_norm_training_updates_batched_running_stats():
     torch.testing.assert_close(got[2], rv)
 
 
+def test_batch_norm_with_update_updates_batched_running_stats_and_names_unbatched_ones():
+    x = torch.randn(B, 4, 5)
+    rm0, rv0 = torch.randn(B, 5), torch.rand(B, 5) + 0.5
+    op = torch.ops.aten._batch_norm_with_update.default
+    f = lambda x, rm, rv: op(x, None, None, rm, rv, 0.1, 1e-5)[:3]  # noqa: E731
+    rm, rv = rm0.clone(), rv0.clone()
+    got = vmap_without_slow_loop(f, x, rm, rv)
+    rm_loop, rv_loop = rm0.clone(), rv0.clone()
+    want = [torch.stack(o) for o in zip(*[f(x[i], rm_loop[i], rv_loop[i]) for i in range(B)])]
+    torch.testing.assert_close(list(got), want)
+    torch.testing.assert_close((rm, rv), (rm_loop, rv_loop))
+    with pytest.raises(RuntimeError, match="running_mean/running_var in place"):
+        vmap(f, in_dims=(0, None, None))(x, torch.zeros(5), torch.ones(5))
+
+
 def test_batch_norm_training_with_unbatched_running_stats_errors():
     x = torch.randn(B, 4, 5)
     rm, rv = torch.zeros(5), torch.ones(5)

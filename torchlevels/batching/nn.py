@@ -323,6 +323,16 @@ def native_batch_norm(func, args, dims, kwargs):
     return _batch_norm(args[:5], dims[:5], *args[5:])
 
 
+@register(aten._batch_norm_with_update.default)
+def batch_norm_with_update(func, args, dims, kwargs):
+    """Training mode, updating the running stats: as ``native_batch_norm``, which refuses
+    running stats that are not batched by name, not by a failed ``copy_``."""
+    momentum, eps = args[5:]
+    (out, mean, invstd), out_dims = _batch_norm(args[:5], dims[:5], True, momentum, eps)
+    reserve = torch.empty(0, dtype=torch.uint8, device=out.device)  # as on the CPU
+    return (out, mean, invstd, reserve), (*out_dims, None)
+
+
 @register(aten._native_batch_norm_legit.no_stats)
 def native_batch_norm_no_stats(func, args, dims, kwargs):
     """``_native_batch_norm_legit`` without running stats."""
