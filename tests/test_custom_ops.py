@@ -176,3 +176,8 @@ def test_a_rule_that_returns_the_wrong_shape_of_answer_is_named():
     np_pair.register_vmap(lambda info, in_dims, x: (np_pair(x), (0, 0, 0)))
     with pytest.raises(RuntimeError, match=r"out_dims=\(0, 0, 0\).*one out_dim per output"):
         tl.vmap(np_pair)(torch.randn(2, 3))
+
+
+def test_jvp_refuses_a_prim_instead_of_a_silent_zero():
+    with pytest.raises(NotImplementedError, match="prims such as prims.sin.default"):
+        tl.jacfwd(torch.ops.prims.sin.default)(torch.randn(3, dtype=torch.float64))

@@ -366,6 +366,13 @@ def _refuse_custom_op(cls, func, args, out: Any, level: int) -> None:
     outs = out if isinstance(out, (tuple, list)) else (out,)
     if any(isinstance(o, torch.Tensor) and (o.is_floating_point() or o.is_complex())
            and _unpack_dual(o, level=level)[1] is None for o in outs):
+        if func.namespace == "prims":  # PyTorch defines prims as custom ops too
+            raise NotImplementedError(
+                f"jvp: PyTorch gives prims such as {func} no forward-mode derivative, so "
+                "jvp would silently treat it as a constant. Call the aten op it implements "
+                "(a prim reached through one of torchlevels' decompositions is a bug in "
+                "torchlevels: please report it)."
+            )
         raise NotImplementedError(
             f"jvp: {func} is a torch.library custom op, and PyTorch gives custom ops no "
             "forward-mode derivative (register_autograd defines only the backward), so "
