@@ -41,6 +41,7 @@ _disabled_torch_function = torch._C._disabled_torch_function_impl
 # ``t.requires_grad`` to users as torch.func's do: see autodiff.py.)
 _REQUIRES_GRAD = torch._C.TensorBase.requires_grad
 requires_grad_flag = _REQUIRES_GRAD.__get__
+set_requires_grad_flag = _REQUIRES_GRAD.__set__
 
 
 class EscapedTensorError(RuntimeError):

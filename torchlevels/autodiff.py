@@ -39,6 +39,7 @@ from torchlevels._level import (
     mark_level_graph,
     new_level_class,
     requires_grad_flag,
+    set_requires_grad_flag,
     tracked_outside,
     unwrap_own,
     wrap_all,
@@ -196,12 +197,7 @@ def _tracked_by_level(t: torch.Tensor) -> bool:
     return requires_grad_flag(t) or requires_grad_flag(t._inner)
 
 
-def _set_requires_grad(t: torch.Tensor, value: bool) -> None:
-    _REQUIRES_GRAD_FLAG.__set__(t, value)
-
-
-_REQUIRES_GRAD_FLAG = torch._C.TensorBase.requires_grad
-_TRACKED_BY_LEVEL = property(_tracked_by_level, _set_requires_grad)
+_TRACKED_BY_LEVEL = property(_tracked_by_level, set_requires_grad_flag)
 
 
 def autodiff_classes(cls: type[LevelTensor] | None) -> list[type[LevelTensor]]:
