@@ -477,6 +477,61 @@ def test_multilabel_margin_loss(reduction, shape, xb, tb):
         torch.testing.assert_close(got, torch.stack(want))
 
 
+_T, _C = 10, 5
+
+
+def _ctc_case(layout):
+    """(ctc_loss of (log_probs, targets, target_lengths), those three batched, in_dims)."""
+    g = torch.Generator().manual_seed(0)
+    lp = torch.randn(B, _T, 2, _C, dtype=torch.float64, generator=g).log_softmax(-1)
+    lengths = torch.tensor([[4, 2], [3, 3], [1, 4]])
+    if layout == "unbatched N":  # one sequence per example: [T, C], targets [S], all of it
+        return (lp[:, :, 0], torch.randint(1, _C, (B, 4), generator=g), torch.tensor([4] * B))
+    if layout == "concatenated":  # every example's targets one after the other: [sum(L)]
+        lengths = torch.tensor([[4, 2], [3, 3], [1, 5]])
+        return lp, torch.randint(1, _C, (B, 6), generator=g), lengths
+    return lp, torch.randint(1, _C, (B, 2, 4), generator=g), lengths
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("layout", ["padded", "concatenated", "unbatched N"])
+@pytest.mark.parametrize("batched", ["all", "log_probs", "targets"])
+def test_ctc_loss(reduction, layout, batched):
+    lp, targets, lengths = _ctc_case(layout)
+    in_dims = (0 if batched in ("all", "log_probs") else None,
+               0 if batched in ("all", "targets") else None,
+               0 if batched in ("all", "targets") else None)
+    args = tuple(a if d == 0 else a[0] for a, d in zip((lp, targets, lengths), in_dims))
+
+    def loss(lp, targets, lengths):
+        input_lengths = torch.full(lp.shape[1:-1], _T, dtype=torch.long)
+        return F.ctc_loss(lp, targets, input_lengths, lengths, reduction=reduction)
+
+    check(loss, *args, in_dims=in_dims, atol=1e-7, rtol=1e-7)
+    if in_dims[0] == 0:  # per-example gradients: the backward op batched too
+        got = vmap_without_slow_loop(lambda *a: grad(lambda lp: loss(lp, *a[1:]).sum())(a[0]),
+                                     *args, in_dims=in_dims)
+        leaves = [x.clone().requires_grad_() for x in lp]
+        want = [torch.autograd.grad(loss(x, *(a if d is None else a[i] for a, d in
+                                              zip(args[1:], in_dims[1:]))).sum(), x)[0]
+                for i, x in enumerate(leaves)]
+        torch.testing.assert_close(got, torch.stack(want))
+
+
+def test_ctc_loss_with_int_list_lengths_and_zero_infinity():
+    lp, targets, _ = _ctc_case("padded")
+    short = [3, _T]  # sequence 0 is too short for its targets: an infinite loss, zeroed
+
+    def loss(lp, targets):
+        return F.ctc_loss(lp, targets, short, [4, 2], reduction="none", zero_infinity=True)
+
+    check(loss, lp, targets)
+    got = vmap_without_slow_loop(lambda lp, t: grad(lambda x: loss(x, t).sum())(lp), lp, targets)
+    want = [torch.autograd.grad(loss(x := a.clone().requires_grad_(), t).sum(), x)[0]
+            for a, t in zip(lp, targets)]
+    torch.testing.assert_close(got, torch.stack(want))
+
+
 @pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
 def test_nll_loss_ignore_index_and_label_smoothing(reduction):
     x = torch.randn(B, 6, 5)

@@ -468,6 +468,39 @@ def multilabel_margin_loss_backward(func, args, dims, kwargs):
     return grad.view(x.shape), 0
 
 
+def _ctc_fold(args, dims, size):
+    """``_ctc_loss``'s log_probs, targets and lengths with the batch folded into N (each
+    example's N sequences, then the next example's), and N."""
+    log_probs = materialize(args[0], dims[0], size)  # [B, T, N, C]
+    n = log_probs.shape[2]
+    targets = materialize(args[1], dims[1], size)  # [B, N, S] padded, or [B, sum(L)]
+    targets = targets.flatten(0, 1) if targets.dim() == 3 else targets.flatten()
+    lengths = [materialize(a, d, size).flatten() if isinstance(a, torch.Tensor)
+               else list(a) * size for a, d in zip(args[2:4], dims[2:4])]
+    return [log_probs.movedim(0, 1).flatten(1, 2), targets, *lengths], n
+
+
+@register(aten._ctc_loss.default, aten._ctc_loss.Tensor)
+def ctc_loss(func, args, dims, kwargs):
+    """The op takes N sequences: every example's in one call. Its log_alpha is padded to
+    the longest target of the whole batch (only its backward reads it)."""
+    size = batch_size(args, dims)
+    folded, n = _ctc_fold(args, dims, size)
+    nll, log_alpha = func(*folded, *args[4:], **kwargs)
+    return (nll.view(size, n), log_alpha.unflatten(0, (size, n))), (0, 0)
+
+
+@register(aten._ctc_loss_backward.default, aten._ctc_loss_backward.Tensor)
+def ctc_loss_backward(func, args, dims, kwargs):
+    """As the forward: every example's sequences in one call."""
+    size = batch_size(args, dims)
+    folded, n = _ctc_fold(args[1:5], dims[1:5], size)
+    grad, nll, log_alpha = (materialize(a, d, size).flatten(0, 1)
+                            for a, d in zip((args[0], *args[5:7]), (dims[0], *dims[5:7])))
+    out = func(grad, *folded, nll, log_alpha, *args[7:], **kwargs)  # [T, B*N, C]
+    return out.unflatten(1, (size, n)), 1
+
+
 # -- elementwise backward ops ----------------------------------------------------------------
 
 
