@@ -181,3 +181,21 @@ def test_a_rule_that_returns_the_wrong_shape_of_answer_is_named():
 def test_jvp_refuses_a_prim_instead_of_a_silent_zero():
     with pytest.raises(NotImplementedError, match="prims such as prims.sin.default"):
         tl.jacfwd(torch.ops.prims.sin.default)(torch.randn(3, dtype=torch.float64))
+
+
+def test_jvp_refuses_pytorchs_own_chunked_linear_cross_entropy():
+    """F.linear_cross_entropy with chunking is a custom op of PyTorch's own: torch.func's
+    jvp returns a zero tangent for it, where the derivative is not zero."""
+    import torch.nn.functional as F
+
+    x, w = torch.randn(3, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
+    options = torch.nn.LinearCrossEntropyOptions(batch_chunk_size=2)
+
+    def f(x):
+        return F.linear_cross_entropy(x, w, torch.tensor(1), options=options)
+
+    t = torch.ones_like(x)
+    assert torch.autograd.functional.jvp(f, x, t)[1] != 0  # the true derivative
+    with pytest.raises(NotImplementedError, match="_linear_cross_entropy_batch_chunked"):
+        tl.jvp(f, (x,), (t,))
+    torch.testing.assert_close(tl.grad(f)(x) @ t, torch.autograd.functional.jvp(f, x, t)[1])
