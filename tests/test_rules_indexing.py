@@ -501,6 +501,19 @@ def test_nonzero_with_equal_counts_matches_loop_and_different_counts_raise():
     check_raises(torch.nonzero, [differ], (0,), match="dynamic shape")
 
 
+@pytest.mark.parametrize("shape", [(), (5,), (3, 4)])
+@pytest.mark.parametrize("size", [0, 2, 7, 20])
+@pytest.mark.parametrize("in_dim", [0, -1])
+def test_nonzero_static_pads_each_example_with_fill_value(shape, size, in_dim):
+    """Examples with different counts of nonzeros are fine: the size is static."""
+    g = torch.Generator().manual_seed(size)
+    x = torch.randint(0, 2, (4, *shape), generator=g) * torch.randn(4, *shape, generator=g)
+    x = x.movedim(0, in_dim)  # the batch dim last, for in_dim=-1
+    f = lambda t: torch.nonzero_static(t, size=size, fill_value=-7)  # noqa: E731
+    got = vmap_without_slow_loop(f, x, in_dims=in_dim)
+    assert_close(got, torch.stack([f(x.select(in_dim, b)) for b in range(4)]))
+
+
 # -- embedding ------------------------------------------------------------------------------
 
 

@@ -402,6 +402,24 @@ def nonzero(func, args, dims, kwargs):
     return found[:, 1:].reshape(x.shape[0], per_example, x.dim() - 1), 0
 
 
+@register(aten.nonzero_static.default)
+def nonzero_static(func, args, dims, kwargs):
+    """Each example's first ``size`` nonzero indices, padded with ``fill_value``: a stable
+    sort of each example's flat positions puts its nonzero ones first, in order."""
+    x = to_front(args[0], dims[0])
+    size, fill = kwargs["size"], kwargs.get("fill_value", -1)
+    nonzero = x.reshape(x.shape[0], -1) != 0
+    positions = torch.sort(~nonzero, dim=1, stable=True).indices[:, :size]
+    shape = x.shape[1:]
+    if shape:
+        index = torch.stack(torch.unravel_index(positions, shape), dim=-1)
+    else:  # 0-d examples: an index has no coordinates
+        index = positions.new_empty(positions.shape + (0,))
+    index = index.masked_fill(~nonzero.gather(1, positions).unsqueeze(-1), fill)
+    padding = size - positions.shape[1]  # more rows asked for than elements
+    return torch.nn.functional.pad(index, (0, 0, 0, padding), value=fill), 0
+
+
 @register(aten._unique2.default)
 def unique(func, args, dims, kwargs):
     """Sorted unique values per example, by one batched sort; examples must agree on the count."""
