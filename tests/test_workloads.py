@@ -563,7 +563,7 @@ def test_an_eval_mode_transformer_layer_differentiates_with_respect_to_its_input
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_chunked_linear_cross_entropy_gradients(reduction):
     # its chunked path (options=) is told which gradients to compute from requires_grad,
-    # which a level's tensors do not report: it returned zero gradients. torch.func
+    # which a grad level's tensors did not report: it returned zero gradients. torch.func
     # refuses the path, so the reference is torch.func on the unchunked one (same math)
     torch.manual_seed(0)
     x, w, b = torch.randn(8, 6), torch.randn(5, 6), torch.randn(5)
@@ -579,6 +579,25 @@ def test_chunked_linear_cross_entropy_gradients(reduction):
     per_example = lambda lib, opts: lib.vmap(lib.grad(
         lambda xi, ti: F.linear_cross_entropy(xi, w, ti, options=opts)))(x, t)
     assert_tree_close(per_example(tl, options), per_example(tf, None))
+
+
+def test_chunked_linear_cross_entropy_of_a_weight_only_an_outer_grad_tracks():
+    """A tensor of the inner grad level that depends on the outer level's input but not on
+    the inner one's says requires_grad=False, as in torch.func: the inner level still tells
+    the op to compute that gradient, which the outer level needs (it was silently zero)."""
+    torch.manual_seed(0)
+    x, w, t = torch.randn(5, 3), torch.randn(4, 3), torch.randint(0, 4, (5,))
+    options = nn.LinearCrossEntropyOptions(batch_chunk_size=2)
+
+    def loss_seen_inside(w):
+        def inner(s):
+            z = torch.zeros_like(s) + w  # the inner level's, tracked only by the outer one
+            assert not z.requires_grad
+            return s * 2, F.linear_cross_entropy(x, z, t, options=options)
+        return tl.grad(inner, has_aux=True)(torch.tensor(1.0))[1]
+
+    assert_tree_close(tl.grad(loss_seen_inside)(w),
+                      tf.grad(lambda w: F.cross_entropy(x @ w.T, t))(w))
 
 
 # -- gradient penalties: autograd through per-example input gradients into the weights ----

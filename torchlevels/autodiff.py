@@ -165,8 +165,11 @@ class GradLevel(Level):
                 out = _rebind_to_view(args[0], view, inner_args, inner_kwargs)
             _note_level_graph(out._inner, inner_args, inner_kwargs)
             return out
-        for flag, i in gradient_flags(func):  # decided from requires_grad, which a level's
-            if flag < len(args) and i < len(args) and type(args[i]) is cls:  # tensors lack
+        # ops told which gradients to compute: the caller read requires_grad, which is
+        # False for a value of ours only a level around this one tracks; that level's
+        # autograd sees the op too
+        for flag, i in gradient_flags(func):
+            if flag < len(args) and i < len(args) and type(args[i]) is cls:
                 inner_args[flag] = True
         func = _DIFFERENTIABLE_KERNEL.get(func, func)
         with autograd_on():  # autograd on again for the inner tensors, as the user set it
