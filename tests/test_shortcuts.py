@@ -100,7 +100,16 @@ CASES = {
     "conv2d of one image": (lambda x, w: F.conv2d(x, w, padding=1), (
         torch.randn(4, 3, 6, 6), torch.randn(2, 3, 3, 3)), (0, None), True),
     "conv2d of an image batch": (lambda x, w: F.conv2d(x, w), (
-        torch.randn(4, 2, 3, 6, 6), torch.randn(2, 3, 3, 3)), (0, None), False),
+        torch.randn(4, 2, 3, 6, 6), torch.randn(2, 3, 3, 3)), (0, None), True),
+    "conv2d of an image batch of one": (lambda x, w: F.conv2d(x.unsqueeze(0), w, stride=2), (
+        torch.randn(4, 3, 7, 7), torch.randn(2, 3, 3, 3)), (0, None), True),
+    "conv2d of an image batch, batched weight": (F.conv2d, (
+        torch.randn(4, 2, 3, 6, 6), torch.randn(4, 2, 3, 3, 3)), 0, False),
+    "max_pool2d with indices of an image batch": (
+        lambda x: F.max_pool2d(x, 2, return_indices=True), (torch.randn(4, 2, 3, 6, 6),), 0,
+        True),
+    "avg_pool1d of a batch of zero": (lambda x: F.avg_pool1d(x, 2), (torch.randn(4, 0, 3, 6),),
+                                      0, True),
     "conv1d, bias keyword": (lambda x, w, b: F.conv1d(x, w, bias=b, stride=2), (
         torch.randn(4, 3, 9), torch.randn(2, 3, 3), torch.randn(2)), (0, None, None), True),
     "max_pool2d with indices": (lambda x: F.max_pool2d(x, 2, return_indices=True), (
@@ -115,6 +124,12 @@ CASES = {
     "flatten(start_dim=1)": (lambda x: x.flatten(start_dim=1), (torch.randn(4, 2, 3, 5),), 0,
                              True),
     "flatten of a 0-dim example": (lambda x: x.flatten(), (torch.randn(4),), 0, False),
+    "unsqueeze(0)": (lambda x: x.unsqueeze(0), (torch.randn(4, 2, 3),), 0, True),
+    "unsqueeze(-1)": (lambda x: torch.unsqueeze(x, -1), (torch.randn(4, 2, 3),), 0, True),
+    "unsqueeze(dim=2) at the end": (lambda x: x.unsqueeze(dim=2), (torch.randn(4, 2, 3),), 0,
+                                    True),
+    "unsqueeze(-3) at the front": (lambda x: x.unsqueeze(-3), (torch.randn(4, 2, 3),), 0, True),
+    "unsqueeze of a 0-dim example": (lambda x: x.unsqueeze(0), (torch.randn(4),), 0, True),
     "sum (no shortcut)": (lambda x: x.sum(), (x4,), 0, False),
 }
 

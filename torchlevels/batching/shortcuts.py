@@ -3,7 +3,8 @@
 A vmap level's ``__torch_dispatch__`` sees an op only after the dispatcher has taken it
 through the Python key, and a round trip there costs several microseconds per op: most
 of the time of a chain of small ops. For the calls that dominate everyday code
-(pointwise math, ``F.linear``, convolution and pooling of one example), the batched
+(pointwise math, ``F.linear``, convolution and pooling of one example or of a batch
+of them, ``flatten``, ``unsqueeze``), the batched
 answer is the same call on the physical tensor with the batch dim first, so the level's
 ``__torch_function__`` makes that call directly.
 
@@ -213,10 +214,23 @@ def leading_dims(cls, func, args, kwargs):
 
 
 def example_rank(rank: int) -> Shortcut:
-    """Convolution, pooling: one example has ``rank`` dims, and a batch of them one more."""
+    """Convolution, pooling: one example has ``rank`` dims, and a batch of them one more.
+    Examples that are batches themselves (``x.unsqueeze(0)`` per example, as in per-sample
+    gradients) have the vmap batch folded into their own."""
 
     def shortcut(cls, func, args, kwargs):
-        return _first_batched(cls, func, args, kwargs, rank.__eq__)
+        inner = _own(cls, args[0])
+        if inner is None or not _unbatched_rest(cls, args, kwargs):
+            return None
+        if inner.dim() - 1 == rank:
+            return wrap_all_front(cls, _call(func, (inner, *args[1:]), kwargs))
+        if inner.dim() - 1 != rank + 1:
+            return None
+        out = _call(func, (inner.flatten(0, 1), *args[1:]), kwargs)
+        lead = inner.shape[:2]
+        if isinstance(out, torch.Tensor):
+            return wrap_front(cls, out.unflatten(0, lead))
+        return tuple(wrap_front(cls, o.unflatten(0, lead)) for o in out)
 
     return shortcut
 
@@ -232,6 +246,18 @@ def flatten(cls, func, args, kwargs):
     if not (-rank <= start < rank and -rank <= end < rank) or start % rank > end % rank:
         return None  # 0-dim, or out of range: the usual path raises torch's error
     return wrap_front(cls, _call(torch.flatten, (inner, start % rank + 1, end % rank + 1), {}))
+
+
+def unsqueeze(cls, func, args, kwargs):
+    """``x.unsqueeze(dim)``: the same dim of each example, one further in."""
+    inner = _own(cls, args[0])
+    dim = args[1] if len(args) == 2 else kwargs.get("dim")
+    if inner is None or type(dim) is not int or len(args) + len(kwargs) != 2:
+        return None
+    rank = inner.dim()  # an example's rank with the new dim
+    if not -rank <= dim < rank:
+        return None  # out of range: the usual path raises torch's error
+    return wrap_front(cls, _call(torch.unsqueeze, (inner, dim % rank + 1), {}))
 
 
 def _declare(shortcut: Shortcut, *funcs: Callable) -> None:
@@ -267,6 +293,7 @@ _declare(pointwise, *(getattr(torch.Tensor, n) for n in POINTWISE_NAMES + POINTW
 _declare(activation, *ACTIVATIONS)
 _declare(leading_dims, F.linear)
 _declare(flatten, torch.flatten, torch.Tensor.flatten)
+_declare(unsqueeze, torch.unsqueeze, torch.Tensor.unsqueeze)
 for _n in (1, 2, 3):
     _declare(example_rank(_n + 1), *(getattr(F, f"{name}{_n}d{suffix}") for name, suffix in (
         ("conv", ""), ("max_pool", ""), ("max_pool", "_with_indices"), ("avg_pool", ""),
