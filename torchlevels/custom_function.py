@@ -52,7 +52,6 @@ from torchlevels.vmap import BatchLevel, batch_level, wrap_batched
 _pytorch_apply = Function.apply.__func__  # PyTorch's own apply, called for non-level args
 
 
-
 def _apply(fn: type[Function], *args: Any, **kwargs: Any) -> Any:
     """``Function.apply``: the innermost level among ``args`` handles the call, if any."""
     cls = _deepest_level(args)

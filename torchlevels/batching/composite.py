@@ -17,7 +17,7 @@ from torch._ops import OpOverload
 from torchlevels._level import LevelTensor
 from torchlevels.batching.dims import pad_to_rank, to_front
 from torchlevels.batching.predispatch import intercept, passed_by
-from torchlevels.batching.registry import per_op
+from torchlevels.batching.registry import is_composite
 
 aten = torch.ops.aten
 
@@ -38,7 +38,6 @@ def _deepest_level(args: tuple) -> type[LevelTensor] | None:
 
 
 _ops: list = []
-_op_set: set = set()
 
 
 def composite_ops() -> list:
@@ -57,22 +56,13 @@ def call_recorded(func: OpOverload, args: Any, kwargs: dict) -> Any:
     taking vmap's rule for it, which would compute beneath the record (a jvp of matmul
     with no tangent). A grad level gets composite ops from the user decomposed already
     (PyTorch decomposes them above autograd), so it does not need this."""
-    if not _is_composite(func):
+    if not is_composite(func):
         return func(*args, **kwargs)
     token = _recording.set(True)
     try:
         return func(*args, **kwargs)
     finally:
         _recording.reset(token)
-
-
-@per_op
-def _is_composite(func: OpOverload) -> bool:
-    try:
-        return func in _op_set or func.has_kernel_for_dispatch_key(
-            torch._C.DispatchKey.CompositeImplicitAutograd)
-    except RuntimeError:  # TorchScript-only overloads
-        return False
 
 
 def composite_rule(*ops):
@@ -90,7 +80,6 @@ def composite_rule(*ops):
         for op in ops:
             intercept(op, handler)
             _ops.append(op)
-            _op_set.add(op)
         return rule
 
     return deco

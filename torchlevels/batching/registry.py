@@ -164,6 +164,16 @@ def is_custom_op(func: OpOverload) -> bool:
 
 
 @per_op
+def is_composite(func: OpOverload) -> bool:
+    """Whether ``func`` is a composite op (PyTorch decomposes it into aten ops above
+    autograd: ``matmul``, ``linear``)."""
+    try:
+        return func.has_kernel_for_dispatch_key(torch._C.DispatchKey.CompositeImplicitAutograd)
+    except RuntimeError:  # TorchScript-only overloads (e.g. index.Tensor_hacked_twin)
+        return False
+
+
+@per_op
 def writes_first_argument(func: OpOverload) -> bool:
     """Whether ``func`` writes its first argument in place (``add_``, ``copy_``, ``normal_``)."""
     first = func._schema.arguments[0].alias_info if func._schema.arguments else None
@@ -247,13 +257,7 @@ def decomposition_of(func: OpOverload) -> Callable | None:
     # PyTorch's version for that recomputes the saved mean and rstd from the input, which
     # the core version reads as constants, dropping their share of the derivative
     decomposition = decomposition_table_for_jvp.get(func) or decomposition_table.get(func)
-    try:
-        composite = func.has_kernel_for_dispatch_key(
-            torch._C.DispatchKey.CompositeImplicitAutograd
-        )
-    except RuntimeError:  # TorchScript-only overloads (e.g. index.Tensor_hacked_twin)
-        composite = False
-    if composite and (decomposition is None or _calls_prims(decomposition)):
+    if is_composite(func) and (decomposition is None or _calls_prims(decomposition)):
         # PyTorch's own decomposition, in aten ops. A torch._refs one calls prims, whose
         # autograd kernel turns grad mode off: a grad level around the vmap would record
         # nothing (a silently zero second derivative through prelu's backward)
