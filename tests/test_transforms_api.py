@@ -1053,7 +1053,8 @@ def test_autodiff_and_transforms_docstrings_run():
     tools = [sys.modules[f"torchlevels.tools.{name}"]
              for name in ("flops", "forwarding", "oplog", "trace")]
     for module in (torchlevels.autodiff, torchlevels.transforms, vmap_module,
-                   sys.modules["torchlevels._level"], *tools):
+                   sys.modules["torchlevels._level"], sys.modules["torchlevels._torch_compile"],
+                   *tools):
         result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
         assert result.failed == 0, module.__name__
         assert result.attempted > 0

@@ -21,6 +21,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from torchlevels._dim_inputs import accepts_dims
 from torchlevels._level import LevelTensor, innermost, refuse_functional
+from torchlevels._torch_compile import eager
 from torchlevels.autodiff import (
     CapturedMutationError,
     GradLevel,
@@ -132,7 +133,7 @@ def grad_and_value(func: Callable, argnums: int | tuple[int, ...] = 0,
                 value = (value, aux)
         return tree_unflatten(grads, spec), value
 
-    return accepts_dims(wrapper)
+    return eager(accepts_dims(wrapper))
 
 
 def _out_of(G, t: Any, keep: bool) -> Any:
@@ -169,9 +170,10 @@ def grad(func: Callable, argnums: int | tuple[int, ...] = 0, has_aux: bool = Fal
         gradient, value = g_and_v(*args, **kwargs)
         return (gradient, value[1]) if has_aux else gradient
 
-    return accepts_dims(wrapper)
+    return eager(accepts_dims(wrapper))
 
 
+@eager
 def vjp(func: Callable, *primals: Any, has_aux: bool = False) -> tuple:
     """``(func(*primals), vjp_fn)``: ``vjp_fn(cotangents)`` is the vector-Jacobian product.
 
@@ -207,6 +209,7 @@ def vjp(func: Callable, *primals: Any, has_aux: bool = False) -> tuple:
             aux = tree_map(lambda a: _out_of(G, a, keep), aux)
     inputs_require_grad = G._level.captures_tracked or any(map(requires_grad_within, flat))
 
+    @eager
     def vjp_fn(cotangents: Any) -> tuple:
         flat_ct, ct_spec = tree_flatten(cotangents)
         if ct_spec != out_spec:
@@ -231,6 +234,7 @@ def vjp(func: Callable, *primals: Any, has_aux: bool = False) -> tuple:
     return (results, vjp_fn, aux) if has_aux else (results, vjp_fn)
 
 
+@eager
 def jvp(func: Callable, primals: Any, tangents: Any, *, strict: bool = False,
         has_aux: bool = False) -> tuple:
     """``(func(*primals), jvp_out)``: the Jacobian-vector product along ``tangents``.
@@ -289,6 +293,7 @@ def jvp(func: Callable, primals: Any, tangents: Any, *, strict: bool = False,
     return (primals_out, tangents_out, aux) if has_aux else (primals_out, tangents_out)
 
 
+@eager
 def linearize(func: Callable, *primals: Any) -> tuple[Any, Callable]:
     """``(func(*primals), jvp_fn)`` where ``jvp_fn(*tangents)`` is the JVP at ``primals``.
 
@@ -303,6 +308,7 @@ def linearize(func: Callable, *primals: Any) -> tuple[Any, Callable]:
     _inputs("linearize", tree_flatten(primals)[0], ValueError)
     out = func(*primals)
 
+    @eager
     def jvp_fn(*tangents: Any) -> Any:
         return jvp(func, primals, tangents)[1]
 
@@ -363,7 +369,7 @@ def jacrev(func: Callable, argnums: int | tuple[int, ...] = 0, *, has_aux: bool 
         jac = tree_unflatten(blocks, out_spec)
         return (jac, result[2]) if has_aux else jac
 
-    return accepts_dims(wrapper)
+    return eager(accepts_dims(wrapper))
 
 
 def _basis(tensors: list[torch.Tensor], below: bool = True) -> list[torch.Tensor]:
@@ -460,7 +466,7 @@ def jacfwd(func: Callable, argnums: int | tuple[int, ...] = 0, has_aux: bool = F
             return jac, tree_map(lambda a: a[0], results[2])
         return jac
 
-    return accepts_dims(wrapper)
+    return eager(accepts_dims(wrapper))
 
 
 def hessian(func: Callable, argnums: int | tuple[int, ...] = 0) -> Callable:
@@ -485,7 +491,7 @@ def hessian(func: Callable, argnums: int | tuple[int, ...] = 0) -> Callable:
         _inputs("hessian", tree_flatten(_slice_argnums(args, argnums))[0], ValueError)
         return jac(*args, **kwargs)
 
-    return accepts_dims(wrapper)
+    return eager(accepts_dims(wrapper))
 
 
 def debug_unwrap(tensor: torch.Tensor, *, recurse: bool = True) -> torch.Tensor:

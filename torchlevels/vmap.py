@@ -30,6 +30,7 @@ from torchlevels._level import (
     set_logical_meta,
     tracked_outside,
 )
+from torchlevels._torch_compile import eager
 from torchlevels.batching import predispatch, shortcuts
 from torchlevels.batching.registry import How, resolve, resolved_by_id, written_arguments
 from torchlevels.batching.shortcuts import wrap_all_front, wrap_front
@@ -313,7 +314,7 @@ def vmap(
             func, flat_args, flat_dims, spec, kwargs, out_dims, randomness, size, chunk_size
         )
 
-    return accepts_dims(wrapped)
+    return eager(accepts_dims(wrapped))
 
 
 def _name(func: Callable) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from torchlevels._level import LevelTensor, enclosing_classes, innermost
+from torchlevels._torch_compile import compiling, tracing_user_code
 from torchlevels.batching.dims import logical_shape, to_front
 from torchlevels.batching.pointwise import pointwise_rule
 from torchlevels.batching.predispatch import intercept, passed_by
@@ -107,6 +108,8 @@ def _random_in_levels(op, args, kwargs):
     """
     from torchlevels.vmap import BatchLevel, wrap_batched
 
+    if compiling():
+        return _while_compiling(op, args, kwargs)
     if (op.overloadpacket in _DROPOUTS or op is aten.native_dropout.default) and (
         not args[2] or (op.overloadpacket in _DROPOUTS and args[1] in (0, 1))
     ):
@@ -129,6 +132,28 @@ def _random_in_levels(op, args, kwargs):
             if writes_first_argument(op):
                 _raise_different_inplace(op)
             args[first] = _batch_at(args[first], cls)
+    return passed_by(op, args, kwargs)
+
+
+def _while_compiling(op, args, kwargs):
+    """A random op that torch.compile runs while a vmap level is live. Its own work
+    (inductor drawing with randperm as it builds its patterns) passes by. A compiled
+    function called inside vmap would draw once for all examples in its graph: that is
+    randomness "same", and an error for the other modes."""
+    from torchlevels.vmap import BatchLevel
+
+    if tracing_user_code():
+        for cls in enclosing_classes(innermost()):
+            level = cls._level
+            if isinstance(level, BatchLevel) and level.randomness != "same":
+                raise RuntimeError(
+                    f"vmap: a function compiled with torch.compile calls {op} inside "
+                    f"{level.describe()} with randomness={level.randomness!r}. Compiled "
+                    "code draws its random numbers once for all examples, so this vmap "
+                    "cannot give each example its own numbers or check them. Call the "
+                    "function uncompiled inside vmap (or compile the whole composition "
+                    "with torchlevels.compile), or use randomness='same'."
+                )
     return passed_by(op, args, kwargs)
 
 
