@@ -147,3 +147,19 @@ def test_relational_kernels_still_compile_whole(monkeypatch):
     assert total == pytest.approx((x[(d < 50) & (x > 0.25)] * 2.0).sum().item(), rel=1e-12)
     assert counters["stats"]["unique_graphs"] == 1
     assert not counters["graph_break"]
+
+
+class _Ensemble(torch.nn.Module):
+    def forward(self, x, w):
+        return tl.vmap(lambda v: (v @ w).sin())(x) * 2
+
+
+def test_export_refuses_a_transform_and_exports_its_trace():
+    module = _Ensemble()
+    with pytest.raises(RuntimeError, match="torch.export cannot trace torchlevels' vmap.*"
+                       "torchlevels.trace"):
+        torch.export.export(module, (X, W), strict=False)
+    graph = tl.trace(module)(X, W)
+    exported = torch.export.export(graph, (X, W)).module()
+    expected = tf.vmap(lambda v: (v @ W).sin())(X) * 2
+    torch.testing.assert_close(exported(X, W)[0], expected)

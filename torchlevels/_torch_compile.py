@@ -17,6 +17,8 @@ So:
   batching/random.py).
 
 ``torchlevels.compile`` compiles a composition: it traces the plain ops under the levels.
+``torch.export`` gets a clear error for the same reason, pointing to ``torchlevels.trace``,
+whose graph of plain aten ops it exports.
 
 Importing dynamo takes longer than importing torchlevels, and nothing compiles before
 it is imported, so the two rules above are set up when dynamo is imported, by whoever.
@@ -79,8 +81,9 @@ else:
     sys.meta_path.insert(0, _AfterDynamoImport())
 
 
-def eager(fn: _Fn) -> _Fn:
-    """``fn``, run with dynamo off once dynamo is imported.
+def eager(fn: _Fn, transform: str | None = None) -> _Fn:
+    """``fn``, the call of ``transform`` (default: ``fn``'s name), run with dynamo off
+    once dynamo is imported. ``torch.export`` cannot trace it: that raises.
 
     Example::
 
@@ -91,11 +94,20 @@ def eager(fn: _Fn) -> _Fn:
         >>> torch.equal(f(x), torch.sin(x))
         True
     """
+    name = transform or fn.__name__
 
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> Any:
         if _run_without_dynamo is None:
             return fn(*args, **kwargs)
+        if torch.compiler.is_exporting():
+            raise RuntimeError(
+                f"torch.export cannot trace torchlevels' {name}: a transform's levels are "
+                "Tensor subclasses made per call, which export's tracer does not take. "
+                "Trace the function with torchlevels.trace(f)(*args) instead: it returns "
+                "a torch.fx.GraphModule of plain aten ops, which torch.export.export "
+                "takes."
+            )
         return _run_without_dynamo(fn, args, kwargs)
 
     return run  # type: ignore[return-value]

@@ -133,7 +133,7 @@ def grad_and_value(func: Callable, argnums: int | tuple[int, ...] = 0,
                 value = (value, aux)
         return tree_unflatten(grads, spec), value
 
-    return eager(accepts_dims(wrapper))
+    return eager(accepts_dims(wrapper), "grad_and_value")
 
 
 def _out_of(G, t: Any, keep: bool) -> Any:
@@ -170,7 +170,7 @@ def grad(func: Callable, argnums: int | tuple[int, ...] = 0, has_aux: bool = Fal
         gradient, value = g_and_v(*args, **kwargs)
         return (gradient, value[1]) if has_aux else gradient
 
-    return eager(accepts_dims(wrapper))
+    return eager(accepts_dims(wrapper), "grad")
 
 
 @eager
@@ -369,7 +369,7 @@ def jacrev(func: Callable, argnums: int | tuple[int, ...] = 0, *, has_aux: bool 
         jac = tree_unflatten(blocks, out_spec)
         return (jac, result[2]) if has_aux else jac
 
-    return eager(accepts_dims(wrapper))
+    return eager(accepts_dims(wrapper), "jacrev")
 
 
 def _basis(tensors: list[torch.Tensor], below: bool = True) -> list[torch.Tensor]:
@@ -466,7 +466,7 @@ def jacfwd(func: Callable, argnums: int | tuple[int, ...] = 0, has_aux: bool = F
             return jac, tree_map(lambda a: a[0], results[2])
         return jac
 
-    return eager(accepts_dims(wrapper))
+    return eager(accepts_dims(wrapper), "jacfwd")
 
 
 def hessian(func: Callable, argnums: int | tuple[int, ...] = 0) -> Callable:
@@ -491,7 +491,7 @@ def hessian(func: Callable, argnums: int | tuple[int, ...] = 0) -> Callable:
         _inputs("hessian", tree_flatten(_slice_argnums(args, argnums))[0], ValueError)
         return jac(*args, **kwargs)
 
-    return eager(accepts_dims(wrapper))
+    return eager(accepts_dims(wrapper), "hessian")
 
 
 def debug_unwrap(tensor: torch.Tensor, *, recurse: bool = True) -> torch.Tensor:

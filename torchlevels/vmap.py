@@ -314,7 +314,7 @@ def vmap(
             func, flat_args, flat_dims, spec, kwargs, out_dims, randomness, size, chunk_size
         )
 
-    return eager(accepts_dims(wrapped))
+    return eager(accepts_dims(wrapped), "vmap")
 
 
 def _name(func: Callable) -> str:
