@@ -668,6 +668,80 @@ def test_code_that_branches_on_requires_grad_gets_the_gradient():
                       tf.vmap(tf.grad(f, argnums=1), in_dims=(0, None))(X, w))
 
 
+# -- tensor hooks and grad_fn inside the transforms ----------------------------------------
+
+
+def _hooked(x, scale=2.0):
+    """A loss whose intermediate ``y`` and input ``x`` carry gradient hooks."""
+    x.register_hook(lambda g: g * 3)
+    y = x.sin()
+    y.register_hook(lambda g: g * scale)
+    return (y * x).sum()
+
+
+HOOKED = {
+    "grad": lambda lib: lib.grad(_hooked)(X),
+    "vmap(grad)": lambda lib: lib.vmap(lib.grad(_hooked))(M),
+    "grad(grad)": lambda lib: lib.grad(lambda x: lib.grad(lambda u: _hooked(u * x))(x).sum())(X),
+    "hessian": lambda lib: lib.hessian(_hooked)(X),
+    "jacrev": lambda lib: lib.jacrev(lambda x: (x.register_hook(lambda g: g * 3), x.sin())[1])(X),
+    "vjp": lambda lib: lib.vjp(_hooked, X)[1](torch.tensor(1.0)),
+    "jacfwd(jacrev)": lambda lib: lib.jacfwd(lib.jacrev(_hooked))(X),
+}
+
+
+@pytest.mark.parametrize("composition", HOOKED)
+def test_tensor_hooks_inside_transforms_run_as_in_torch_func(composition):
+    """Each grad level runs the hooks of its own tensors in its own backward pass (before,
+    torchlevels ignored them: a silently different gradient)."""
+    assert_tree_close(HOOKED[composition](tl), HOOKED[composition](tf))
+
+
+def test_a_removed_hook_does_not_run():
+    def f(x):
+        y = x.sin()
+        y.register_hook(lambda g: g * 2).remove()
+        return (y * x).sum()
+
+    assert_tree_close(tl.grad(f)(X), tf.grad(f)(X))
+
+
+def test_hook_on_a_tensor_no_grad_level_tracks_raises_as_in_torch_func():
+    assert_same_error(lambda lib: lib.grad(lambda x: lib.vmap(_hooked)(x).sum())(M),
+                      "cannot register a hook on a tensor that doesn't require gradient")
+
+
+def test_grad_fn_inside_grad_answers_as_torch_func():
+    def names(x):
+        y = x.sin()
+        c = torch.ones(3) * 2
+        return [None if t.grad_fn is None else type(t.grad_fn).__name__
+                for t in (x, y, y * x, c, x.detach())]
+
+    def f(lib):
+        seen = []
+        lib.grad(lambda x: (seen.append(names(x)), x.sum())[1])(X)
+        lib.vmap(lib.grad(lambda x: (seen.append(names(x)), x.sum())[1]))(M)
+        return seen
+
+    assert f(tl) == f(tf)
+
+
+def test_code_that_branches_on_grad_fn_gets_the_gradient():
+    f = lambda x: (w := x.sin()).sum() * (1.0 if w.grad_fn is None else 2.0)
+    assert_tree_close(tl.grad(f)(X), tf.grad(f)(X))
+
+
+@pytest.mark.parametrize("call", ["retain_grad", "backward"])
+def test_retain_grad_and_backward_inside_grad_raise_clearly(call):
+    def f(x):
+        y = x.sin().sum()
+        getattr(y, call)()
+        return y
+
+    assert_same_error(lambda lib: lib.grad(f)(X), f"{call}() was called on a tensor of grad")
+
+
 def test_checkpoint_inside_grad():
     from torch.utils.checkpoint import checkpoint
 

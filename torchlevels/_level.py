@@ -270,20 +270,35 @@ def escape_message(level: Level, func) -> str:
     )
 
 
+# What a level's tensors answer for these names: PyTorch's own unless the level says
+# otherwise (a grad level's tensors answer as torch.func's do, see autodiff.py).
+_TENSOR_ATTRIBUTES = {
+    "requires_grad": _REQUIRES_GRAD,
+    "grad_fn": torch._C.TensorBase.grad_fn,
+    "register_hook": torch.Tensor.register_hook,
+    "retain_grad": torch.Tensor.retain_grad,
+    "backward": torch.Tensor.backward,
+}
+
+
 def new_level_class(
     level: Level, name: str, torch_function: Any = _disabled_torch_function,
-    requires_grad: Any = _REQUIRES_GRAD,
+    **tensor_attributes: Any,
 ) -> type[LevelTensor]:
     """Make the class for a new level, a subclass of the innermost live level's class.
 
     ``torch_function`` is its ``__torch_function__`` (vmap's answers common calls before
-    the dispatcher); ``requires_grad`` is what its tensors answer to ``t.requires_grad``
-    (PyTorch's own flag unless given). A level class never inherits its parent's.
+    the dispatcher); ``tensor_attributes`` replace what its tensors answer for
+    ``requires_grad``, ``grad_fn``, ``register_hook``, ``retain_grad`` and ``backward``
+    (PyTorch's own unless given). A level class never inherits its parent's.
     """
+    unknown = tensor_attributes.keys() - _TENSOR_ATTRIBUTES.keys()
+    if unknown:
+        raise TypeError(f"new_level_class: no tensor attribute {sorted(unknown)} to replace")
     parent = _innermost.get() or LevelTensor
     namespace = {"_level": level, "__module__": __name__, "__torch_function__": torch_function,
                  "_has_torch_function": torch_function is not _disabled_torch_function,
-                 "requires_grad": requires_grad}
+                 **_TENSOR_ATTRIBUTES, **tensor_attributes}
     return type(name, (parent,), namespace)
 
 

@@ -201,6 +201,52 @@ def _tracked_by_level(t: torch.Tensor) -> bool:
 
 
 _TRACKED_BY_LEVEL = property(_tracked_by_level, set_requires_grad_flag)
+_GRAD_FN = torch._C.TensorBase.grad_fn.__get__
+
+
+def _level_grad_fn(t: torch.Tensor) -> Any:
+    """``t.grad_fn`` for a grad level's tensor, as torch.func answers it: the node of the
+    level's graph that made it (on the tensor it wraps), None for the level's inputs and
+    for tensors the level does not track. A tensor that carries the graph of a level
+    nested in this one (the inner tensor of that level's tensor) answers with its own
+    node, for PyTorch's code that reads it (``register_hook``)."""
+    own = _GRAD_FN(t)
+    if own is not None:
+        return own
+    inner = t._inner
+    return _GRAD_FN(inner) if requires_grad_flag(inner) else None
+
+
+def _register_hook(t: torch.Tensor, hook: Any) -> Any:
+    """``t.register_hook(hook)`` for a grad level's tensor: on the tensor it wraps, which
+    carries the level's graph, so the level's backward pass calls ``hook`` with the
+    gradient of ``t`` (a tensor of the levels around, as in torch.func)."""
+    inner = t._inner
+    if requires_grad_flag(inner) or not isinstance(inner, LevelTensor):
+        return torch.Tensor.register_hook(inner, hook)  # raises if nothing tracks it
+    return inner.register_hook(hook)  # tracked, if at all, by a level around this one
+
+
+def _refuse_retain_grad(t: torch.Tensor) -> None:
+    raise RuntimeError(
+        f"retain_grad() was called on a tensor of {type(t)._level.describe()}: a "
+        "transform's intermediate tensors keep no gradient. To see the gradient of a "
+        "tensor, register a hook on it (t.register_hook), or make it an input of the "
+        "function you differentiate."
+    )
+
+
+def _refuse_backward(t: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+    raise RuntimeError(
+        f"backward() was called on a tensor of {type(t)._level.describe()}. Inside a "
+        "transform, differentiate with grad, vjp or jacrev, or call backward() outside "
+        "the transform."
+    )
+
+
+_GRAD_LEVEL_TENSOR = {"requires_grad": _TRACKED_BY_LEVEL, "grad_fn": property(_level_grad_fn),
+                      "register_hook": _register_hook, "retain_grad": _refuse_retain_grad,
+                      "backward": _refuse_backward}
 
 
 def autodiff_classes(cls: type[LevelTensor] | None) -> list[type[LevelTensor]]:
@@ -598,7 +644,7 @@ def grad_level(name: str = "grad") -> Iterator[type[LevelTensor]]:
         tensor(6.)
     """
     level = GradLevel(name)
-    cls = new_level_class(level, "GradTensor", requires_grad=_TRACKED_BY_LEVEL)
+    cls = new_level_class(level, "GradTensor", **_GRAD_LEVEL_TENSOR)
     level.nested_in_autodiff = bool(autodiff_classes(cls.__base__))
     # grad(f) inside no_grad or inference_mode still differentiates, as torch.func's does
     with (entered(cls), _inference_mode_off(), torch.enable_grad(), predispatch.hook(),
