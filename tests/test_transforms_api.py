@@ -742,6 +742,68 @@ def test_retain_grad_and_backward_inside_grad_raise_clearly(call):
     assert_same_error(lambda lib: lib.grad(f)(X), f"{call}() was called on a tensor of grad")
 
 
+# -- torch.autograd.grad inside a grad level -----------------------------------------------
+
+
+def _slope_energy(v):
+    """``sum(dy/dv * v)`` for ``y = sin(v).sum()``: a loss built on a first derivative."""
+    (slope,) = torch.autograd.grad(v.sin().sum(), v, create_graph=True)
+    return (slope * v).sum()
+
+
+def _constant_slope(v):
+    (slope,) = torch.autograd.grad(v.sin().sum(), v)  # no graph: a constant to the level
+    return (slope * v).sum()
+
+
+def _slope_of_intermediate(v):
+    a = v * 2
+    y = a.sin()
+    (slope,) = torch.autograd.grad(y, a, grad_outputs=torch.ones_like(y), create_graph=True)
+    return (slope * v).sum()
+
+
+def _two_inputs(v):
+    g1, g2 = torch.autograd.grad(v.sin().sum() * v.cos().sum(), [v, v], create_graph=True)
+    return (g1 * g2).sum()
+
+
+AUTOGRAD_GRAD_INSIDE = {
+    "grad": lambda lib: lib.grad(_slope_energy)(X),
+    "grad, no create_graph": lambda lib: lib.grad(_constant_slope)(X),
+    "grad, intermediate and grad_outputs": lambda lib: lib.grad(_slope_of_intermediate)(X),
+    "grad, a list of inputs": lambda lib: lib.grad(_two_inputs)(X),
+    "vmap(grad)": lambda lib: lib.vmap(lib.grad(_slope_energy))(M),
+    "hessian": lambda lib: lib.hessian(_slope_energy)(X),
+    "jacrev": lambda lib: lib.jacrev(lambda v: torch.autograd.grad(
+        (v.sin() * v).sum(), v, create_graph=True)[0])(X),
+    "grad(grad)": lambda lib: lib.grad(lambda v: lib.grad(_slope_energy)(v * 2).sum())(X),
+}
+
+
+@pytest.mark.parametrize("composition", AUTOGRAD_GRAD_INSIDE)
+def test_torch_autograd_grad_inside_a_grad_level_as_in_torch_func(composition):
+    """It differentiates at the innermost grad level (before: PyTorch's 'does not require
+    grad', since the level's graph is on the tensors its wrappers hold)."""
+    assert_tree_close(AUTOGRAD_GRAD_INSIDE[composition](tl),
+                      AUTOGRAD_GRAD_INSIDE[composition](tf))
+
+
+def test_torch_autograd_grad_inside_grad_on_a_tensor_of_no_level_raises_clearly():
+    def f(v):
+        (g,) = torch.autograd.grad(v.sum(), torch.ones(3, requires_grad=True))
+        return g.sum()
+
+    assert_same_error(lambda lib: lib.grad(f)(X), "must all be tensors of that level")
+
+
+def test_torch_autograd_grad_outside_transforms_is_pytorchs():
+    leaf = X.clone().requires_grad_()
+    (g,) = torch.autograd.grad((leaf.sin() ** 2).sum(), leaf)
+    torch.testing.assert_close(g, 2 * X.sin() * X.cos())
+    assert torch.autograd.grad.__doc__ == torchlevels.autograd_grad.pytorch_grad.__doc__
+
+
 def test_checkpoint_inside_grad():
     from torch.utils.checkpoint import checkpoint
 
@@ -1128,7 +1190,7 @@ def test_autodiff_and_transforms_docstrings_run():
              for name in ("flops", "forwarding", "oplog", "trace")]
     for module in (torchlevels.autodiff, torchlevels.transforms, vmap_module,
                    sys.modules["torchlevels._level"], sys.modules["torchlevels._torch_compile"],
-                   *tools):
+                   torchlevels.autograd_grad, *tools):
         result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
         assert result.failed == 0, module.__name__
         assert result.attempted > 0

@@ -3,7 +3,7 @@
 # torch.func's own: plain utilities, and functionalize, which runs inside levels
 from torch.func import functionalize, rearrange, replace_all_batch_norm_modules_
 
-from torchlevels import lifting  # noqa: F401  (takes captured tensors into RNN ops)
+from torchlevels import autograd_grad, lifting  # noqa: F401  (wrap autograd.grad, RNN ops)
 from torchlevels._level import (
     EscapedTensorError,
     Level,

@@ -36,6 +36,7 @@ from torchlevels._level import (
     enclosing_classes,
     entered,
     follow_inner,
+    innermost,
     mark_level_graph,
     new_level_class,
     requires_grad_flag,
@@ -207,12 +208,13 @@ _GRAD_FN = torch._C.TensorBase.grad_fn.__get__
 def _level_grad_fn(t: torch.Tensor) -> Any:
     """``t.grad_fn`` for a grad level's tensor, as torch.func answers it: the node of the
     level's graph that made it (on the tensor it wraps), None for the level's inputs and
-    for tensors the level does not track. A tensor that carries the graph of a level
-    nested in this one (the inner tensor of that level's tensor) answers with its own
-    node, for PyTorch's code that reads it (``register_hook``)."""
-    own = _GRAD_FN(t)
-    if own is not None:
-        return own
+    for tensors the level does not track. While a level nested in this one is live, a
+    tensor that carries its graph (the inner tensor of that level's tensor) answers with
+    its own node, for PyTorch's code that reads it (``register_hook``)."""
+    if type(t) is not innermost():
+        own = _GRAD_FN(t)
+        if own is not None:
+            return own
     inner = t._inner
     return _GRAD_FN(inner) if requires_grad_flag(inner) else None
 

@@ -31,6 +31,7 @@ from torchlevels.autodiff import (
     requires_grad_within,
     shallow_copy,
 )
+from torchlevels.autograd_grad import pytorch_grad
 from torchlevels.batching.pointwise import UnbatchedWriteError
 from torchlevels.vmap import BatchLevel, vmap
 
@@ -124,7 +125,7 @@ def grad_and_value(func: Callable, argnums: int | tuple[int, ...] = 0,
             leaves = [w._inner for w in wrapped]
             grads = [None] * len(leaves)
             if isinstance(out_inner, torch.Tensor) and out_inner.requires_grad:
-                grads = list(torch.autograd.grad(out_inner, leaves, allow_unused=True,
+                grads = list(pytorch_grad(out_inner, leaves, allow_unused=True,
                                                  create_graph=keep))
             grads = [torch.zeros_like(t) if g is None else g for g, t in zip(grads, flat)]
             value = out_inner if keep else shallow_copy(out_inner)
@@ -224,7 +225,7 @@ def vjp(func: Callable, *primals: Any, has_aux: bool = False) -> tuple:
                 inputs_require_grad or bool(autodiff_classes(innermost()))
                 or any(c.requires_grad for _, c in tracked)
             )
-            grads = list(torch.autograd.grad(
+            grads = list(pytorch_grad(
                 [o for o, _ in tracked], leaves, [c for _, c in tracked], retain_graph=True,
                 create_graph=create_graph, allow_unused=True,
             ))

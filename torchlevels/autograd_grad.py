@@ -1,0 +1,87 @@
+"""``torch.autograd.grad`` called inside a grad level differentiates at that level.
+
+Inside ``grad(f)``, ``f``'s tensors are the level's wrappers, and the level's graph is on
+the tensors they wrap (see autodiff.py), so PyTorch's engine, handed the wrappers, finds
+no graph. torch.func lets ``f`` differentiate at the current level with
+``torch.autograd.grad(y, x, create_graph=True)``, the way a physics-informed loss takes
+``du/dx`` of a network's output. So importing torchlevels wraps ``torch.autograd.grad``
+once: a call on tensors of the innermost live level, a grad level, runs on the tensors
+they wrap and returns tensors of that level (tracked by it when ``create_graph=True``,
+so the level differentiates through them); every other call is PyTorch's own. Among
+those are a level's own calls, on tensors of the levels around it that carry its graph.
+
+Example::
+
+    >>> import torch
+    >>> from torchlevels import grad
+    >>> def f(x):  # d/dx of a value that is itself a derivative
+    ...     (dy,) = torch.autograd.grad(x.sin(), x, create_graph=True)
+    ...     return dy
+    >>> grad(f)(torch.tensor(0.5)) == -torch.tensor(0.5).sin()
+    tensor(True)
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from torchlevels._level import LevelTensor, innermost, wrap_inner
+from torchlevels.autodiff import GradLevel
+
+pytorch_grad = torch.autograd.grad  # PyTorch's own, for calls on the tensors levels wrap
+
+
+def _tensors(arg: Any) -> list | None:
+    """``arg`` as a list of tensors (one tensor, or a sequence of them), else None."""
+    if isinstance(arg, torch.Tensor):
+        return [arg]
+    if isinstance(arg, (list, tuple)) and all(isinstance(t, torch.Tensor) for t in arg):
+        return list(arg)
+    return None
+
+
+def _grad_level_of(outputs: Any, inputs: Any) -> type[LevelTensor] | None:
+    """The class of the innermost live level if it is a grad level and the call is on its
+    tensors (which must then all be its own), else None: PyTorch's own call."""
+    cls = innermost()
+    if cls is None or not isinstance(cls._level, GradLevel):
+        return None
+    outs, ins = _tensors(outputs), _tensors(inputs)
+    if outs is None or ins is None or not any(type(t) is cls for t in (*outs, *ins)):
+        return None  # plain tensors, or (a level's own code) tensors of a level around it
+    stray = [t for t in (*outs, *ins) if type(t) is not cls]
+    if stray:
+        raise RuntimeError(
+            f"torch.autograd.grad inside {cls._level.describe()}: its outputs and inputs "
+            f"must all be tensors of that level, but one is a {type(stray[0]).__name__}. "
+            "It differentiates the level's own graph, which holds only the level's "
+            "tensors: make the others inputs of the function the level differentiates, "
+            "or call torch.autograd.grad outside the transform."
+        )
+    return cls
+
+
+@functools.wraps(pytorch_grad)
+def grad(outputs: Any, inputs: Any, grad_outputs: Any = None, *args: Any, **kwargs: Any
+         ) -> Any:
+    # PyTorch's docstring (functools.wraps): this is torch.autograd.grad from now on
+    cls = _grad_level_of(outputs, inputs)
+    if cls is None:
+        return pytorch_grad(outputs, inputs, grad_outputs, *args, **kwargs)
+    if grad_outputs is not None:
+        grad_outputs = [g._inner if type(g) is cls else g
+                        for g in (_tensors(grad_outputs) or grad_outputs)]
+    results = pytorch_grad([t._inner for t in _tensors(outputs)],
+                           [t._inner for t in _tensors(inputs)], grad_outputs, *args, **kwargs)
+    return tuple(None if r is None else wrap_inner(cls, r) for r in results)
+
+
+def install() -> None:
+    """Route ``torch.autograd.grad`` through the grad levels (done on import)."""
+    torch.autograd.grad = grad
+
+
+install()
