@@ -733,3 +733,41 @@ def test_hessian_of_a_layer_in_its_parameters_matches_autograd(layer, compositio
         outer, inner = composition.rstrip(")").split("(")
         h = getattr(tl, outer)(getattr(tl, inner)(loss))
     torch.testing.assert_close(h(flat), torch.autograd.functional.hessian(loss, flat))
+
+
+# -- probability distributions: log-likelihood gradients per example ------------------------
+
+D = torch.distributions
+_DIST_X = torch.randn(4, 5, generator=torch.Generator().manual_seed(7))
+CHECKED = {"validate_args": True}  # another test may have turned PyTorch's default off
+LOG_LIKELIHOODS = {  # name -> (loss of (parameter, one example), parameter, examples)
+    "Normal": (lambda mu, x: D.Normal(mu, torch.ones_like(mu), **CHECKED).log_prob(x).sum(),
+               torch.randn(5), _DIST_X),
+    "MultivariateNormal": (
+        lambda mu, x: D.MultivariateNormal(mu, torch.eye(5), **CHECKED).log_prob(x),
+        torch.randn(5), _DIST_X),
+    "Categorical": (lambda logits, y: D.Categorical(logits=logits, **CHECKED).log_prob(y),
+                    torch.randn(5), torch.tensor([0, 3, 4, 1])),
+    "Beta": (lambda a, x: D.Beta(a.exp(), torch.ones(5), **CHECKED).log_prob(x).sum(),
+             torch.randn(5), _DIST_X.sigmoid()),
+    "Dirichlet": (lambda a, x: D.Dirichlet(a.exp(), **CHECKED).log_prob(x),
+                  torch.randn(5), _DIST_X.softmax(-1)),
+}
+
+
+@pytest.mark.parametrize("name", LOG_LIKELIHOODS)
+def test_per_example_gradients_of_distribution_log_likelihoods(name):
+    """torch.distributions validates its arguments with torch._is_all_true and reads the
+    answer into Python: under vmap the answer is one bool for the batch, as in torch.func
+    (before, it raised as data-dependent control flow)."""
+    loss, param, examples = LOG_LIKELIHOODS[name]
+    assert_tree_close(tl.vmap(tl.grad(loss), in_dims=(None, 0))(param, examples),
+                      tf.vmap(tf.grad(loss), in_dims=(None, 0))(param, examples))
+
+
+def test_an_invalid_distribution_argument_in_one_example_raises_as_in_torch_func():
+    scales = _DIST_X.abs().clone()
+    scales[2, 1] = -1.0
+    for lib in (tl, tf):
+        with pytest.raises(ValueError, match="scale .* to satisfy the constraint GreaterThan"):
+            lib.vmap(lambda s: D.Normal(torch.zeros(5), s, **CHECKED).entropy())(scales)

@@ -31,3 +31,18 @@ def allclose(func, args, dims, kwargs):
         "torch.isclose(a, b, rtol, atol).all() instead: a batched tensor, one bool per "
         "example."
     )
+
+
+@register(aten._is_all_true.default, aten._is_any_true.default)
+def over_the_batch(func, args, dims, kwargs):
+    """One bool for the whole batch (all, or any, of every example's elements), as in
+    torch.func: ``torch.distributions`` checks its arguments this way, then reads the
+    answer into Python (``if not torch._is_all_true(valid): raise ValueError(...)``)."""
+    return func(args[0]), None
+
+
+@register(aten._assert_async.default, aten._assert_async.msg)
+def assert_async(func, args, dims, kwargs):
+    """``torch._assert_async(cond)`` holds for every example."""
+    func(args[0].all(), *args[1:])
+    return None, None
