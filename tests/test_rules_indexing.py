@@ -663,3 +663,12 @@ def test_jacrev_of_embedding_bag_batches_its_backward(mode):
         warnings.simplefilter("error")  # no slow loop
         ours = torchlevels.jacrev(bags)(weight)
     assert_close(ours, torch.func.jacrev(bags)(weight))
+
+
+def test_one_hot_of_a_batched_tensor_needs_num_classes():
+    labels = torch.tensor([[1, 2], [3, 0]])
+    assert_close(torchlevels.vmap(lambda y: F.one_hot(y, 5))(labels),
+                 torch.func.vmap(lambda y: F.one_hot(y, 5))(labels))
+    with pytest.raises(RuntimeError, match="one_hot of a batched tensor needs an explicit "
+                       "num_classes"):
+        torchlevels.vmap(F.one_hot)(labels)

@@ -318,6 +318,7 @@ def test_non_tensor_input_raises_like_torch_func():
     ("primals not a tuple", "Expected primals to be a tuple"),
     ("tangent is a float", None),
     ("tangent of another shape", None),
+    ("integer tangent", "Expected tangent to be floating point or complex"),
 ])
 def test_jvp_mismatched_primals_and_tangents_raise(case, match):
     calls = {
@@ -326,6 +327,7 @@ def test_jvp_mismatched_primals_and_tangents_raise(case, match):
         "primals not a tuple": lambda lib: lib.jvp(torch.sin, X, (X,)),
         "tangent is a float": lambda lib: lib.jvp(torch.sin, (X,), (1.0,)),
         "tangent of another shape": lambda lib: lib.jvp(two_args, (X, Y), (X, torch.ones(4))),
+        "integer tangent": lambda lib: lib.jvp(torch.sin, (X,), (torch.ones(3, dtype=torch.long),)),
     }
     assert_same_error(calls[case], match)
 
@@ -740,6 +742,37 @@ def test_retain_grad_and_backward_inside_grad_raise_clearly(call):
         return y
 
     assert_same_error(lambda lib: lib.grad(f)(X), f"{call}() was called on a tensor of grad")
+
+
+# -- .data and detach_() inside the transforms ------------------------------------------
+
+UNTRACKED = {  # each stops this level, and only it, from tracking a value
+    "grad .data": lambda lib: lib.grad(lambda v: (v * v.data).sum())(X),
+    "grad detach_": lambda lib: lib.grad(lambda v: (v * (v * 2).detach_()).sum())(X),
+    "vmap(grad) .data": lambda lib: lib.vmap(lib.grad(lambda v: (v * v.data).sum()))(M),
+    "grad(grad) .data": lambda lib: lib.grad(
+        lambda u: lib.grad(lambda v: (v * v.data * u).sum())(u).sum())(X),
+    "grad(grad) detach_": lambda lib: lib.grad(
+        lambda u: lib.grad(lambda v: (v * (v * 1).detach_() * u).sum())(u).sum())(X),
+    "grad(grad) detach": lambda lib: lib.grad(  # out of place: every level, as torch.func
+        lambda u: lib.grad(lambda v: (v * v.detach() * u).sum())(u).sum())(X),
+    "jvp(grad) .data": lambda lib: lib.jvp(lib.grad(lambda v: (v * v.data).sum()), (X,), (Y,)),
+    "hessian .data": lambda lib: lib.hessian(lambda v: (v * v.data * v).sum())(X),
+    "jvp .data": lambda lib: lib.jvp(lambda v: v * v.data, (X,), (Y,)),
+    "jvp detach_": lambda lib: lib.jvp(lambda v: v * (v * 2).detach_(), (X,), (Y,)),
+    "jacfwd .data": lambda lib: lib.jacfwd(lambda v: v.sin() * v.data)(X),
+    "vmap(jvp) detach_": lambda lib: lib.vmap(
+        lambda v: lib.jvp(lambda u: u * (u * 2).detach_(), (v,), (v.cos(),)))(M),
+    "jacfwd(jacrev) .data": lambda lib: lib.jacfwd(lib.jacrev(lambda v: (v * v.data * v).sum()))(X),
+}
+
+
+@pytest.mark.parametrize("case", UNTRACKED)
+def test_data_and_detach_inplace_inside_grad_and_jvp_as_in_torch_func(case):
+    """Before, grad and jvp ignored both (``.data`` reached the level as autograd's own
+    shallow copy, which keeps its history and tangent; PyTorch does ``detach_`` above the
+    Python key): a silently different derivative."""
+    assert_tree_close(UNTRACKED[case](tl), UNTRACKED[case](tf))
 
 
 # -- torch.autograd.grad inside a grad level -----------------------------------------------

@@ -295,3 +295,18 @@ def test_the_demos_slow_loop_example_still_has_no_rule():
     from torchlevels.batching.registry import How, resolve
 
     assert resolve(torch.ops.aten.histc.default).how is How.LOOP
+
+
+@pytest.mark.parametrize("untrack", [".data", "detach_()", "detach()"])
+def test_data_and_detach_inside_vmap_over_a_tensor_that_requires_grad(untrack):
+    """Each is a constant for autograd outside, as in a loop (before, ``.data`` and
+    ``detach_()`` kept the history: silently doubled gradients). torch.func refuses
+    ``.data`` under vmap."""
+    f = {".data": lambda v: v * v.data, "detach_()": lambda v: v * (v * 2).detach_(),
+         "detach()": lambda v: v * v.detach()}[untrack]
+    x0 = torch.randn(4, 3)
+    x = x0.clone().requires_grad_()
+    vmap(f)(x).sum().backward()
+    ref = x0.clone().requires_grad_()
+    torch.stack([f(row) for row in ref.unbind()]).sum().backward()
+    torch.testing.assert_close(x.grad, ref.grad)

@@ -278,6 +278,8 @@ _TENSOR_ATTRIBUTES = {
     "register_hook": torch.Tensor.register_hook,
     "retain_grad": torch.Tensor.retain_grad,
     "backward": torch.Tensor.backward,
+    "data": torch._C.TensorBase.data,
+    "detach_": torch.Tensor.detach_,
 }
 
 
@@ -289,8 +291,9 @@ def new_level_class(
 
     ``torch_function`` is its ``__torch_function__`` (vmap's answers common calls before
     the dispatcher); ``tensor_attributes`` replace what its tensors answer for
-    ``requires_grad``, ``grad_fn``, ``register_hook``, ``retain_grad`` and ``backward``
-    (PyTorch's own unless given). A level class never inherits its parent's.
+    ``requires_grad``, ``grad_fn``, ``data``, ``detach_``, ``register_hook``,
+    ``retain_grad`` and ``backward`` (PyTorch's own unless given). A level class never
+    inherits its parent's.
     """
     unknown = tensor_attributes.keys() - _TENSOR_ATTRIBUTES.keys()
     if unknown:

@@ -229,6 +229,29 @@ def _register_hook(t: torch.Tensor, hook: Any) -> Any:
     return inner.register_hook(hook)  # tracked, if at all, by a level around this one
 
 
+def _untracked(t: torch.Tensor) -> torch.Tensor:
+    """The value of a grad level's tensor ``t`` one level out, where this level does not
+    track it (the levels around it still do)."""
+    inner = t._inner
+    if isinstance(inner, LevelTensor):
+        return type(inner)._level.rewrap(type(inner), inner)  # the same, without our graph
+    return inner.detach()
+
+
+def _level_data(t: torch.Tensor) -> torch.Tensor:
+    """``t.data`` for a grad level's tensor, as torch.func answers it: the same value, not
+    tracked by this level."""
+    return wrap_inner(type(t), _untracked(t))
+
+
+def _level_detach_(t: torch.Tensor) -> torch.Tensor:
+    """``t.detach_()`` for a grad level's tensor: from now on this level does not track
+    it, as in torch.func (PyTorch handles ``detach_`` above the dispatcher's Python key,
+    so the level would never see it)."""
+    t._inner = _untracked(t)
+    return t
+
+
 def _refuse_retain_grad(t: torch.Tensor) -> None:
     raise RuntimeError(
         f"retain_grad() was called on a tensor of {type(t)._level.describe()}: a "
@@ -247,8 +270,9 @@ def _refuse_backward(t: torch.Tensor, *args: Any, **kwargs: Any) -> None:
 
 
 _GRAD_LEVEL_TENSOR = {"requires_grad": _TRACKED_BY_LEVEL, "grad_fn": property(_level_grad_fn),
-                      "register_hook": _register_hook, "retain_grad": _refuse_retain_grad,
-                      "backward": _refuse_backward}
+                      "data": property(_level_data, torch._C.TensorBase.data.__set__),
+                      "detach_": _level_detach_, "register_hook": _register_hook,
+                      "retain_grad": _refuse_retain_grad, "backward": _refuse_backward}
 
 
 def autodiff_classes(cls: type[LevelTensor] | None) -> list[type[LevelTensor]]:
@@ -478,6 +502,24 @@ def _jvp_inplace_view(cls, view, args, kwargs) -> torch.Tensor:
     return self_
 
 
+def _jvp_data(t: torch.Tensor) -> torch.Tensor:
+    """``t.data`` for a jvp level's tensor, as torch.func answers it: its primal, with no
+    tangent at this level."""
+    return _wrap(type(t), t._inner)
+
+
+def _jvp_detach_(t: torch.Tensor) -> torch.Tensor:
+    """``t.detach_()`` for a jvp level's tensor: it drops its tangent, as in torch.func
+    (PyTorch handles ``detach_`` above the dispatcher's Python key)."""
+    t._tangent = None
+    t.__dict__.pop("_view_of", None)  # nor will it take one through its base
+    return t
+
+
+_JVP_LEVEL_TENSOR = {"data": property(_jvp_data, torch._C.TensorBase.data.__set__),
+                     "detach_": _jvp_detach_}
+
+
 def _view_tangent(t: torch.Tensor) -> Any:
     """``t``'s tangent. A view made while its base had none gets a view of the base's
     tangent once the base has one (written through another view)."""
@@ -669,7 +711,7 @@ def jvp_level() -> Iterator[type[LevelTensor]]:
         (tensor(9.), tensor(6.))
     """
     level = JvpLevel()
-    cls = new_level_class(level, "DualTensor")
+    cls = new_level_class(level, "DualTensor", **_JVP_LEVEL_TENSOR)
     with (entered(cls), _inference_mode_off(), _dual_level(), predispatch.hook(),
           _no_fused_inference()):
         yield cls

@@ -270,6 +270,11 @@ def jvp(func: Callable, primals: Any, tangents: Any, *, strict: bool = False,
                 "jvp(f, primals, tangents): Expected primals and tangents to have the same "
                 f"shapes, got {p.shape} and {getattr(t, 'shape', type(t))}"
             )
+        if not (t.is_floating_point() or t.is_complex()):
+            raise ValueError(
+                f"jvp(f, primals, tangents): Expected tangent to be floating point or "
+                f"complex, but got: {t.dtype}"
+            )
     with jvp_level() as J:
         wrapped = [J(p, t) for p, t in zip(flat_p, flat_t)]
         out, aux = _split_aux("jvp", func(*tree_unflatten(wrapped, spec_p)), has_aux)

@@ -254,10 +254,25 @@ def _rewrap_inplace(self: torch.Tensor, inner: torch.Tensor, bdim: int) -> None:
 # -- the public API -----------------------------------------------------------------------
 
 
+def _batched_data(t: torch.Tensor) -> torch.Tensor:
+    """``t.data`` for a batched tensor: the same values, detached (torch.func refuses
+    ``.data`` under vmap)."""
+    return wrap_batched(type(t), t._inner.detach(), t._bdim)
+
+
+def _batched_detach_(t: torch.Tensor) -> torch.Tensor:
+    """``t.detach_()`` for a batched tensor: its values, detached from now on (PyTorch
+    handles ``detach_`` above the dispatcher's Python key, so the level would not see it)."""
+    t._inner = t._inner.detach()
+    return t
+
+
 def new_batch_class(randomness: str = "error", batch_size: int | None = None) -> type:
     """The class of a fresh vmap level (not yet entered)."""
     level = BatchLevel(randomness, batch_size)
-    return new_level_class(level, "BatchedTensor", classmethod(shortcuts.torch_function))
+    return new_level_class(level, "BatchedTensor", classmethod(shortcuts.torch_function),
+                           data=property(_batched_data, torch._C.TensorBase.data.__set__),
+                           detach_=_batched_detach_)
 
 
 @contextlib.contextmanager

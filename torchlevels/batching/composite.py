@@ -114,3 +114,17 @@ def matmul(func, args, dims, kwargs):
     if rank_a == 1:
         out = out.squeeze(-1 if rank_b == 1 else -2)
     return out, 0
+
+
+@composite_rule(aten.one_hot.default)
+def one_hot(func, args, dims, kwargs):
+    """Decomposes as usual, but a batched input without ``num_classes`` cannot: the
+    number of classes would be read from each example's largest label."""
+    num_classes = args[1] if len(args) > 1 else kwargs.get("num_classes", -1)
+    if dims[0] is not None and num_classes == -1:
+        raise RuntimeError(
+            "vmap: F.one_hot of a batched tensor needs an explicit num_classes: without "
+            "it the number of classes is each example's largest label plus one, which "
+            "differs per example. Pass num_classes=..."
+        )
+    return NotImplemented
