@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch.func import vmap as func_vmap
 
+import torchlevels
 from torchlevels import vmap
 
 assert_close = torch.testing.assert_close
@@ -310,3 +311,30 @@ def test_data_and_detach_inside_vmap_over_a_tensor_that_requires_grad(untrack):
     ref = x0.clone().requires_grad_()
     torch.stack([f(row) for row in ref.unbind()]).sum().backward()
     torch.testing.assert_close(x.grad, ref.grad)
+
+
+EMPTY_BATCH = {  # every reduction over all elements flattens each example to a row
+    "sum": lambda v: v.sum(),
+    "mean": lambda v: v.mean(),
+    "amax": lambda v: v.max(),
+    "argmax": lambda v: v.argmax(),
+    "std": lambda v: v.std(),
+    "roll": lambda v: v.roll(1),
+    "count_nonzero": lambda v: v.count_nonzero(),
+    "softmax": lambda v: v.softmax(-1),
+    "matmul": lambda v: v @ torch.ones(3, 2),
+}
+
+
+@pytest.mark.parametrize("name", [*EMPTY_BATCH, "vmap(grad)"])
+def test_an_empty_batch_as_torch_func(name):
+    """A batch of 0 examples gives outputs with a 0-size batch dim (before, the full
+    reductions failed: reshape cannot infer -1 when there are no elements)."""
+    empty = torch.randn(0, 2, 3)
+    if name == "vmap(grad)":
+        loss = lambda u: (u.sin() ** 2).sum()
+        expected = func_vmap(torch.func.grad(loss))(empty)
+        actual = vmap(torchlevels.grad(loss))(empty)
+    else:
+        expected, actual = func_vmap(EMPTY_BATCH[name])(empty), vmap(EMPTY_BATCH[name])(empty)
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -39,6 +41,12 @@ def to_front(x: torch.Tensor, bdim: int | None) -> torch.Tensor:
     if bdim is None or bdim == 0:
         return x
     return x.movedim(bdim, 0)
+
+
+def rows(x: torch.Tensor) -> torch.Tensor:
+    """Batch-first ``x`` as ``[batch, elements of one example]``. Unlike
+    ``x.reshape(x.shape[0], -1)``, it works for an empty batch too."""
+    return x.reshape(x.shape[0], math.prod(x.shape[1:]))
 
 
 def materialize(x: torch.Tensor, bdim: int | None, size: int) -> torch.Tensor:

@@ -22,6 +22,7 @@ from torchlevels.batching.dims import (
     logical_shape,
     materialize,
     pad_to_rank,
+    rows,
     to_front,
     wrap_dim,
 )
@@ -408,7 +409,7 @@ def nonzero_static(func, args, dims, kwargs):
     sort of each example's flat positions puts its nonzero ones first, in order."""
     x = to_front(args[0], dims[0])
     size, fill = kwargs["size"], kwargs.get("fill_value", -1)
-    nonzero = x.reshape(x.shape[0], -1) != 0
+    nonzero = rows(x) != 0
     positions = torch.sort(~nonzero, dim=1, stable=True).indices[:, :size]
     shape = x.shape[1:]
     if shape:
@@ -426,7 +427,7 @@ def unique(func, args, dims, kwargs):
     x, *flags = args
     return_inverse, return_counts = (list(flags[1:]) + [False, False])[:2]
     x = to_front(x, dims[0])
-    flat = x.reshape(x.shape[0], -1)
+    flat = rows(x)
     values, order = flat.sort(1)
     first = torch.ones_like(values, dtype=torch.bool)  # where a new value starts
     first[:, 1:] = values[:, 1:] != values[:, :-1]

@@ -11,7 +11,7 @@ import functools
 
 import torch
 
-from torchlevels.batching.dims import materialize, pad_to_rank, to_front, wrap_dim
+from torchlevels.batching.dims import materialize, pad_to_rank, rows, to_front, wrap_dim
 from torchlevels.batching.registry import batch_size, register, register_family
 
 aten = torch.ops.aten
@@ -65,7 +65,7 @@ def dim_rule(func, args, dims, kwargs):
 def _flat_reduction(func, phys, index, kwargs, positional, scalar):
     """``dim=None`` for an op with an optional int dim: reduce the flattened tensor."""
     x = phys[0]
-    flat = x.reshape(x.shape[0], -1)
+    flat = rows(x)
     args = [flat, *phys[1:]]
     if positional:
         args[index] = 1
@@ -114,7 +114,7 @@ def _full(reduce_flat):
 
     def rule(func, args, dims, kwargs):
         x = to_front(args[0], dims[0])
-        return reduce_flat(x.reshape(x.shape[0], -1), *args[1:], **kwargs), 0
+        return reduce_flat(rows(x), *args[1:], **kwargs), 0
 
     return rule
 

@@ -8,6 +8,7 @@ from torchlevels.batching.dims import (
     logical_shape,
     materialize,
     pad_to_rank,
+    rows,
     span,
     to_front,
     wrap_dim,
@@ -168,7 +169,7 @@ def roll(func, args, dims, kwargs):
     d = rest[0] if rest else []
     x = to_front(x, dims[0])
     if not d:  # roll the flattened tensor
-        return x.reshape(x.shape[0], -1).roll(shifts, 1).reshape(x.shape), 0
+        return rows(x).roll(shifts, 1).reshape(x.shape), 0
     return x.roll(shifts, [wrap_dim(i, x.dim() - 1) + 1 for i in d]), 0
 
 
