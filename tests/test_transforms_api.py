@@ -729,6 +729,37 @@ def test_grad_fn_inside_grad_answers_as_torch_func():
     assert f(tl) == f(tf)
 
 
+def test_is_leaf_inside_grad_answers_as_torch_func():
+    def leaves(lib):
+        seen = []
+
+        def f(x):
+            y = x.sin()
+            seen.append([t.is_leaf for t in (x, y, y * x, torch.ones(3) * 2, x.detach())])
+            return y.sum()
+
+        lib.grad(f)(X)
+        lib.vmap(lib.grad(f))(M)
+        return seen
+
+    assert leaves(tl) == leaves(tf)
+
+
+@pytest.mark.parametrize("flag", [False, True])
+def test_requires_grad_inplace_inside_grad(flag):
+    """A no-op when it changes nothing; else an error, as torch.func raises for any call
+    (before, ``requires_grad_(False)`` on an intermediate was silently ignored)."""
+    def f(x):
+        y = x * 2 if flag is False else (x * 2).detach()
+        assert y.requires_grad_(not flag) is y
+        y.requires_grad_(flag)
+        return (y * x).sum()
+
+    with pytest.raises(RuntimeError, match=rf"requires_grad_\({flag}\) was called on a "
+                       "tensor of grad"):
+        tl.grad(f)(X)
+
+
 def test_code_that_branches_on_grad_fn_gets_the_gradient():
     f = lambda x: (w := x.sin()).sum() * (1.0 if w.grad_fn is None else 2.0)
     assert_tree_close(tl.grad(f)(X), tf.grad(f)(X))

@@ -280,6 +280,8 @@ _TENSOR_ATTRIBUTES = {
     "backward": torch.Tensor.backward,
     "data": torch._C.TensorBase.data,
     "detach_": torch.Tensor.detach_,
+    "is_leaf": torch._C.TensorBase.is_leaf,
+    "requires_grad_": torch.Tensor.requires_grad_,
 }
 
 
@@ -291,9 +293,8 @@ def new_level_class(
 
     ``torch_function`` is its ``__torch_function__`` (vmap's answers common calls before
     the dispatcher); ``tensor_attributes`` replace what its tensors answer for
-    ``requires_grad``, ``grad_fn``, ``data``, ``detach_``, ``register_hook``,
-    ``retain_grad`` and ``backward`` (PyTorch's own unless given). A level class never
-    inherits its parent's.
+    the names in ``_TENSOR_ATTRIBUTES`` (``requires_grad``, ``grad_fn``, ``is_leaf``,
+    ``data``...: PyTorch's own unless given). A level class never inherits its parent's.
     """
     unknown = tensor_attributes.keys() - _TENSOR_ATTRIBUTES.keys()
     if unknown:

@@ -64,6 +64,9 @@ _DIFFERENTIABLE_KERNEL = {
     torch.ops.aten._embedding_bag_forward_only.default: torch.ops.aten._embedding_bag.default,
 }
 
+# PyTorch's own requires_grad_(), for a level's leaves: a grad level's tensors answer theirs
+_REQUIRES_GRAD_ = torch._C.TensorBase.requires_grad_
+
 
 def shallow_copy(t: Any) -> Any:
     """``t`` as a new tensor object with no autograd history of its own, dispatching no op."""
@@ -139,7 +142,7 @@ class GradLevel(Level):
         if not isinstance(tensor, LevelTensor) and tensor.requires_grad:
             return wrap_inner(cls, tensor.view_as(tensor))  # keeps its history for autograd outside
         leaf = tensor.clone() if tensor.is_inference() else shallow_copy(tensor)
-        leaf.requires_grad_()
+        _REQUIRES_GRAD_(leaf)
         if type(leaf) is torch.Tensor:
             mark_level_graph(leaf)
         return wrap_inner(cls, leaf)
@@ -252,6 +255,27 @@ def _level_detach_(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _level_is_leaf(t: torch.Tensor) -> bool:
+    """``t.is_leaf`` for a grad level's tensor, as torch.func answers it: whether no op of
+    the level made it (an input, or a tensor the level does not track)."""
+    return _level_grad_fn(t) is None
+
+
+def _level_requires_grad_(t: torch.Tensor, requires_grad: bool = True) -> torch.Tensor:
+    """``t.requires_grad_(flag)`` for a grad level's tensor: a no-op when ``flag`` is what
+    ``t`` answers already, else an error (the level decides what it tracks)."""
+    if bool(requires_grad) == t.requires_grad:
+        return t
+    if requires_grad:
+        fix = "make it an input of the function the transform differentiates"
+    else:
+        fix = "use t.detach() for a value the level does not track"
+    raise RuntimeError(
+        f"requires_grad_({requires_grad}) was called on a tensor of "
+        f"{type(t)._level.describe()}, which decides what it tracks: {fix}."
+    )
+
+
 def _refuse_retain_grad(t: torch.Tensor) -> None:
     raise RuntimeError(
         f"retain_grad() was called on a tensor of {type(t)._level.describe()}: a "
@@ -272,7 +296,9 @@ def _refuse_backward(t: torch.Tensor, *args: Any, **kwargs: Any) -> None:
 _GRAD_LEVEL_TENSOR = {"requires_grad": _TRACKED_BY_LEVEL, "grad_fn": property(_level_grad_fn),
                       "data": property(_level_data, torch._C.TensorBase.data.__set__),
                       "detach_": _level_detach_, "register_hook": _register_hook,
-                      "retain_grad": _refuse_retain_grad, "backward": _refuse_backward}
+                      "retain_grad": _refuse_retain_grad, "backward": _refuse_backward,
+                      "is_leaf": property(_level_is_leaf),
+                      "requires_grad_": _level_requires_grad_}
 
 
 def autodiff_classes(cls: type[LevelTensor] | None) -> list[type[LevelTensor]]:
