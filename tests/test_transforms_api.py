@@ -1208,11 +1208,21 @@ def _write_then_sum(a):
     return (y.sin() * 2).sum()
 
 
-@pytest.mark.parametrize("name", ["vmap(grad)", "jvp", "jacrev", "hessian"])
+def _hooked_slope(v):
+    """A hook, torch.autograd.grad, .data and detach_() at the grad level."""
+    y = v.sin()
+    y.register_hook(lambda g: g * 2)
+    (slope,) = torch.autograd.grad((y * v).sum(), v, create_graph=True)
+    return (slope * v.data).sum() + (v * 2).detach_().sum()
+
+
+@pytest.mark.parametrize("name", ["vmap(grad)", "jvp", "jacrev", "hessian",
+                                  "vmap(grad) with hooks"])
 def test_memory_flat_over_repeated_autodiff_calls(name):
     x = torch.randn(4, 3)
     call = {
         "vmap(grad)": lambda: tl.vmap(tl.grad(_write_then_sum))(x),
+        "vmap(grad) with hooks": lambda: tl.vmap(tl.grad(_hooked_slope))(x),
         "jvp": lambda: tl.jvp(_write_then_sum, (x,), (x,)),
         "jacrev": lambda: tl.jacrev(lambda a: _write_then_sum(a) * a)(x),
         "hessian": lambda: tl.hessian(_write_then_sum)(x[0]),
