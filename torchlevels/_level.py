@@ -285,6 +285,11 @@ _TENSOR_ATTRIBUTES = {
 }
 
 
+def data_property(get: Any) -> property:
+    """What a level's tensors answer for ``t.data``: ``get(t)``; assigning is PyTorch's."""
+    return property(get, torch._C.TensorBase.data.__set__)
+
+
 def new_level_class(
     level: Level, name: str, torch_function: Any = _disabled_torch_function,
     **tensor_attributes: Any,

@@ -33,6 +33,7 @@ from torchlevels._level import (
     Level,
     LevelTensor,
     autograd_on,
+    data_property,
     enclosing_classes,
     entered,
     follow_inner,
@@ -294,7 +295,7 @@ def _refuse_backward(t: torch.Tensor, *args: Any, **kwargs: Any) -> None:
 
 
 _GRAD_LEVEL_TENSOR = {"requires_grad": _TRACKED_BY_LEVEL, "grad_fn": property(_level_grad_fn),
-                      "data": property(_level_data, torch._C.TensorBase.data.__set__),
+                      "data": data_property(_level_data),
                       "detach_": _level_detach_, "register_hook": _register_hook,
                       "retain_grad": _refuse_retain_grad, "backward": _refuse_backward,
                       "is_leaf": property(_level_is_leaf),
@@ -542,8 +543,7 @@ def _jvp_detach_(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-_JVP_LEVEL_TENSOR = {"data": property(_jvp_data, torch._C.TensorBase.data.__set__),
-                     "detach_": _jvp_detach_}
+_JVP_LEVEL_TENSOR = {"data": data_property(_jvp_data), "detach_": _jvp_detach_}
 
 
 def _view_tangent(t: torch.Tensor) -> Any:

@@ -43,9 +43,10 @@ def _tensors(arg: Any) -> list | None:
     return None
 
 
-def _grad_level_of(outputs: Any, inputs: Any) -> type[LevelTensor] | None:
-    """The class of the innermost live level if it is a grad level and the call is on its
-    tensors (which must then all be its own), else None: PyTorch's own call."""
+def _at_grad_level(outputs: Any, inputs: Any) -> tuple[type[LevelTensor], list, list] | None:
+    """The class of the innermost live level and the call's outputs and inputs as lists,
+    if that level is a grad level and the call is on its tensors (which must then all be
+    its own), else None: PyTorch's own call."""
     cls = innermost()
     if cls is None or not isinstance(cls._level, GradLevel):
         return None
@@ -61,21 +62,22 @@ def _grad_level_of(outputs: Any, inputs: Any) -> type[LevelTensor] | None:
             "tensors: make the others inputs of the function the level differentiates, "
             "or call torch.autograd.grad outside the transform."
         )
-    return cls
+    return cls, outs, ins
 
 
 @functools.wraps(pytorch_grad)
 def grad(outputs: Any, inputs: Any, grad_outputs: Any = None, *args: Any, **kwargs: Any
          ) -> Any:
     # PyTorch's docstring (functools.wraps): this is torch.autograd.grad from now on
-    cls = _grad_level_of(outputs, inputs)
-    if cls is None:
+    found = _at_grad_level(outputs, inputs)
+    if found is None:
         return pytorch_grad(outputs, inputs, grad_outputs, *args, **kwargs)
+    cls, outs, ins = found
     if grad_outputs is not None:
         grad_outputs = [g._inner if type(g) is cls else g
                         for g in (_tensors(grad_outputs) or grad_outputs)]
-    results = pytorch_grad([t._inner for t in _tensors(outputs)],
-                           [t._inner for t in _tensors(inputs)], grad_outputs, *args, **kwargs)
+    results = pytorch_grad([t._inner for t in outs], [t._inner for t in ins], grad_outputs,
+                           *args, **kwargs)
     return tuple(None if r is None else wrap_inner(cls, r) for r in results)
 
 

@@ -23,6 +23,7 @@ from torchlevels._level import (
     Level,
     LevelTensor,
     autograd_on,
+    data_property,
     entered,
     new_level_class,
     refuse_functional,
@@ -271,7 +272,7 @@ def new_batch_class(randomness: str = "error", batch_size: int | None = None) ->
     """The class of a fresh vmap level (not yet entered)."""
     level = BatchLevel(randomness, batch_size)
     return new_level_class(level, "BatchedTensor", classmethod(shortcuts.torch_function),
-                           data=property(_batched_data, torch._C.TensorBase.data.__set__),
+                           data=data_property(_batched_data),
                            detach_=_batched_detach_)
 
 
