@@ -16,6 +16,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +34,7 @@ OPACUS = "Opacus"  # opacus.GradSampleModule: per-sample gradients by backward h
 EAGER = "torchlevels (eager)"  # the uncompiled torchlevels composition, beside compiled ones
 FUNCTORCH_DIM = "functorch.dim"  # the dims group's programs written with functorch.dim
 POLARS, PANDAS = "Polars", "pandas"  # the TPC-H group's dataframe libraries
+CONTIGUOUS_POOL = "torchlevels, contiguous max pool"  # without the channels-last max pool
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,10 @@ REFERENCES: dict[str, Reference] = {r.name: r for r in (
     Reference(FUNCTORCH_DIM, "#c44e52", "in the first-class dimensions group, the same "
               "program written with `functorch.dim` (its pure-Python port, shipped in "
               "torch 2.13): the anchor the issue names"),
+    Reference(CONTIGUOUS_POOL, "#f0c8a8", "in the CNN groups, torchlevels with its max "
+              "pool on the contiguous input, as torch.func runs it, instead of in "
+              "channels-last layout (torchlevels/batching/max_pool.py): what the row "
+              "measures without that kernel choice, i.e. the cost of the levels alone"),
     Reference(POLARS, "#64b5cd", "in the TPC-H group, the query written with Polars' lazy "
               "API on in-memory DataFrames (benchmarks/tpch_reference.py)"),
     Reference(PANDAS, "#8c8c8c", "in the TPC-H group, the query written with pandas on "
@@ -114,6 +120,17 @@ def _three_ways(name, fn, plain_fn, args, target, in_dims=0) -> Benchmark:
         TORCH_FUNC: lambda: tf(*args),
         TORCHLEVELS: lambda: tl(*args),
     }, target)
+
+
+def _contiguous_max_pool(call: Callable[[], object]) -> Callable[[], object]:
+    """``call`` with torchlevels' max pools run on the contiguous input (CONTIGUOUS_POOL)."""
+    from torchlevels.batching import max_pool
+
+    def run():
+        with mock.patch.object(max_pool, "faster_in_channels_last", lambda x: False):
+            return call()
+
+    return run
 
 
 # -- (a) per-op overhead: a long chain of small pointwise ops ---------------------------
@@ -228,8 +245,41 @@ def cnn_group() -> list[Benchmark]:
         return F.linear(features(x).flatten(1), w, b)
 
     x = torch.randn(32, 1, 28, 28)
-    return [_three_ways("CNN conv16-conv32-linear, batch 32", cnn, cnn_batched, (x,),
-                        target=1.1)]
+    benchmark = _three_ways("CNN conv16-conv32-linear, batch 32", cnn, cnn_batched, (x,),
+                            target=1.1)
+    benchmark.impls[CONTIGUOUS_POOL] = _contiguous_max_pool(benchmark.impls[TORCHLEVELS])
+    return [benchmark]
+
+
+# -- the max pool layout of the CNN groups --------------------------------------------------
+
+
+def max_pool_group() -> list[Benchmark]:
+    """The batched max pool of vmap's rules (torchlevels/batching/max_pool.py), in
+    channels-last layout, against PyTorch's max pool of the same contiguous input."""
+    from torchlevels.batching.max_pool import max_pool
+
+    torch.manual_seed(0)
+    cases = [  # (input shape, kernel, stride, padding, dtype)
+        ((32, 16, 26, 26), 2, 2, 0, torch.float32),
+        ((32, 32, 11, 11), 2, 2, 0, torch.float32),
+        ((32, 4, 28, 28), 2, 2, 0, torch.float32),
+        ((8, 64, 56, 56), 3, 2, 1, torch.float32),
+        ((8, 64, 56, 56), 3, 2, 1, torch.bfloat16),
+        ((8, 16, 16, 16, 16), 2, 2, 0, torch.float32),
+    ]
+    out = []
+    for shape, k, stride, pad, dtype in cases:
+        x = torch.randn(shape).to(dtype)
+        n = x.dim() - 2
+        op = getattr(torch.ops.aten, f"max_pool{n}d_with_indices")
+        args = ([k] * n, [stride] * n, [pad] * n)
+        name = f"max pool {k}x{k}{'' if n == 2 else f'x{k}'} stride {stride}, {tuple(shape)}"
+        out.append(Benchmark(name + ("" if dtype is torch.float32 else f", {dtype}"), {
+            TORCH_FUNC: lambda op=op, x=x, args=args: op(x, *args),
+            TORCHLEVELS: lambda op=op, x=x, args=args: max_pool(op, x, *args),
+        }, None))
+    return out
 
 
 # -- (d)-(g) autodiff: per-sample gradients, batched Hessians, grad overhead ----------------
@@ -391,8 +441,10 @@ def cnn_grad_group() -> list[Benchmark]:
         nn.Flatten(), nn.Linear(32 * 5 * 5, 10),
     )
     x, y = torch.randn(32, 1, 28, 28), torch.randint(0, 10, (32,))
-    return [_per_sample_benchmark("per-sample grads, CNN conv16-conv32-linear, batch 32",
-                                  model, x, y)]
+    benchmark = _per_sample_benchmark("per-sample grads, CNN conv16-conv32-linear, batch 32",
+                                      model, x, y)
+    benchmark.impls[CONTIGUOUS_POOL] = _contiguous_max_pool(benchmark.impls[TORCHLEVELS])
+    return [benchmark]
 
 
 HESSIAN = "vmap(hessian(f)), 32-dim, batch 16"
@@ -673,6 +725,20 @@ GROUPS: dict[str, Group] = {
         "800->10, unbatched weights, vmapped over a batch of 32 examples of shape "
         "(1, 28, 28). Target: ratio <= 1.1.",
         cnn_group,
+    ),
+    "max_pool": Group(
+        "Max pool layout",
+        "The max pool inside vmap's batching rules and shortcuts (torchlevels/batching/"
+        "max_pool.py): vmap folds the batch into N of a contiguous `[N, C, *spatial]` "
+        "input; on the CPU, from 4 channels up (8 for 16-bit floats), torchlevels runs the "
+        "max pool on a channels-last copy of it, where PyTorch's kernel is vectorised "
+        "over channels, and copies the outputs back to the contiguous layout. Anchor: "
+        "PyTorch's `max_pool{2,3}d_with_indices` of the same contiguous input (ratio = "
+        "torchlevels / PyTorch); values and indices are equal. This is what makes the CNN "
+        "rows faster than torch.func and than the hand-batched call: their columns "
+        "'torchlevels, contiguous max pool' show them without it. No target.",
+        max_pool_group,
+        ("PyTorch (contiguous)", "torchlevels (channels-last)"),
     ),
     "grad_overhead": Group(
         "Grad overhead",

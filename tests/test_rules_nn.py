@@ -209,6 +209,76 @@ def test_pooling_backward(k, kind, batched_args):
     check(f, *args, in_dims=tuple(dims))
 
 
+# -- max pooling in channels-last layout (torchlevels/batching/max_pool.py) ---------------
+
+MAX_POOL_ARGS = [(2,), (3, 2, 1, 1, True), (2, 1, 0, 2, False)]  # kernel, stride, pad, ...
+
+
+@pytest.mark.parametrize("k", [2, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.int64])
+@pytest.mark.parametrize("values", ["random", "ties", "nan"])
+@pytest.mark.parametrize("args", MAX_POOL_ARGS)
+def test_max_pool_in_channels_last_equals_pytorch(k, dtype, values, args):
+    """Values, indices and strides as PyTorch's call on the contiguous input, NaN and ties
+    (the first maximum wins) included."""
+    from torchlevels.batching.max_pool import max_pool
+
+    shape = (3, 8) + (9, 8, 7)[:k]
+    if values == "random":
+        x = (torch.randn(shape) * 10).to(dtype)
+    elif values == "ties":
+        x = torch.randint(0, 3, shape).to(dtype)
+    else:
+        if not dtype.is_floating_point:
+            pytest.skip("integers have no NaN")
+        x = torch.randn(shape).to(dtype)
+        x.view(-1)[::7] = float("nan")
+        x.view(-1)[::11] = float("-inf")
+    op = getattr(aten, f"max_pool{k}d_with_indices")
+    args = tuple([a] * k if type(a) is int else a for a in args)
+    expected = op(x, *args)
+    got = max_pool(op, x, *args)
+    for e, g in zip(expected, got):
+        torch.testing.assert_close(g, e, equal_nan=True, rtol=0, atol=0)
+        assert g.stride() == e.stride()
+
+
+@pytest.mark.parametrize("k", [2, 3])
+@pytest.mark.parametrize("has_n", [True, False])
+def test_max_pool_of_many_channels_runs_in_channels_last(k, has_n, monkeypatch):
+    """From 4 channels up the batched max pool (the aten rule under grad, the shortcut
+    without) runs in channels-last layout, and its result and per-example gradients
+    equal torch.func's."""
+    import torchlevels.batching.max_pool as max_pool_module
+
+    answers = []
+    original = max_pool_module.faster_in_channels_last
+    monkeypatch.setattr(max_pool_module, "faster_in_channels_last",
+                        lambda x: answers.append(original(x)) or answers[-1])
+    x = torch.randn((B,) + ((2,) if has_n else ()) + (8,) + (9, 8, 7)[:k], dtype=torch.float64)
+    pool = getattr(F, f"max_pool{k}d")
+
+    def f(x):
+        out, idx = pool(x, 3, 2, 1, return_indices=True)
+        return out, idx
+
+    check(f, x)
+    assert answers == [True]
+    grads = vmap_without_slow_loop(grad(lambda v: pool(v, 2).sin().sum()), x)
+    torch.testing.assert_close(grads, torch.func.vmap(
+        torch.func.grad(lambda v: pool(v, 2).sin().sum()))(x))
+    assert answers == [True, True]
+
+
+def test_max_pool_of_few_channels_stays_contiguous():
+    from torchlevels.batching.max_pool import faster_in_channels_last
+
+    assert not faster_in_channels_last(torch.randn(4, 3, 8, 8))
+    assert not faster_in_channels_last(torch.randn(4, 4, 8, 8, dtype=torch.bfloat16))
+    assert not faster_in_channels_last(torch.randint(0, 9, (4, 8, 8, 8)))
+    assert faster_in_channels_last(torch.randn(4, 8, 8, 8, dtype=torch.bfloat16))
+
+
 # -- normalization ------------------------------------------------------------------------
 
 

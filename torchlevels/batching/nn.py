@@ -16,6 +16,7 @@ import torch
 
 from torchlevels._level import autograd_records
 from torchlevels.batching.dims import logical_rank, materialize, to_front
+from torchlevels.batching.max_pool import max_pool
 from torchlevels.batching.registry import batch_size, register, skip_decomposition
 
 aten = torch.ops.aten
@@ -65,9 +66,15 @@ def spatial_rule(k: int):
                 a, lead_a = fold(a, d, size, k + 2 if has_n else k + 3)
                 lead = lead or lead_a
             phys.append(a)
+        if func in _MAX_POOLS:
+            return unfold(max_pool(func, *phys, **kwargs), lead)
         return unfold(func(*phys, **kwargs), lead)
 
     return rule
+
+
+_MAX_POOLS = {aten.max_pool2d.default, aten.max_pool2d_with_indices.default,
+              aten.max_pool3d_with_indices.default}
 
 
 for _k, _ops in {

@@ -18,6 +18,7 @@ in-place call, an ``out=`` argument.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -25,6 +26,7 @@ import torch.autograd.forward_ad as forward_ad
 import torch.nn.functional as F
 
 from torchlevels._level import LevelTensor
+from torchlevels.batching.max_pool import max_pool
 from torchlevels.batching.predispatch import unintercepted
 
 _make_wrapper_subclass = torch.Tensor._make_wrapper_subclass
@@ -213,20 +215,20 @@ def leading_dims(cls, func, args, kwargs):
     return _first_batched(cls, func, args, kwargs, lambda rank: rank >= 1)
 
 
-def example_rank(rank: int) -> Shortcut:
+def example_rank(rank: int, run: Callable = _call) -> Shortcut:
     """Convolution, pooling: one example has ``rank`` dims, and a batch of them one more.
     Examples that are batches themselves (``x.unsqueeze(0)`` per example, as in per-sample
-    gradients) have the vmap batch folded into their own."""
+    gradients) have the vmap batch folded into their own. ``run`` makes the call."""
 
     def shortcut(cls, func, args, kwargs):
         inner = _own(cls, args[0])
         if inner is None or not _unbatched_rest(cls, args, kwargs):
             return None
         if inner.dim() - 1 == rank:
-            return wrap_all_front(cls, _call(func, (inner, *args[1:]), kwargs))
+            return wrap_all_front(cls, run(func, (inner, *args[1:]), kwargs))
         if inner.dim() - 1 != rank + 1:
             return None
-        out = _call(func, (inner.flatten(0, 1), *args[1:]), kwargs)
+        out = run(func, (inner.flatten(0, 1), *args[1:]), kwargs)
         lead = inner.shape[:2]
         if isinstance(out, torch.Tensor):
             return wrap_front(cls, out.unflatten(0, lead))
@@ -294,9 +296,19 @@ _declare(activation, *ACTIVATIONS)
 _declare(leading_dims, F.linear)
 _declare(flatten, torch.flatten, torch.Tensor.flatten)
 _declare(unsqueeze, torch.unsqueeze, torch.Tensor.unsqueeze)
+
+
+def _max_pool(func, args, kwargs):
+    """:func:`_call` of a 2-d or 3-d max pool, in the layout PyTorch pools fastest in."""
+    return _call(partial(max_pool, func), args, kwargs)
+
+
 for _n in (1, 2, 3):
     _declare(example_rank(_n + 1), *(getattr(F, f"{name}{_n}d{suffix}") for name, suffix in (
-        ("conv", ""), ("max_pool", ""), ("max_pool", "_with_indices"), ("avg_pool", ""),
-        ("adaptive_avg_pool", ""), ("adaptive_max_pool", ""),
+        ("conv", ""), ("avg_pool", ""), ("adaptive_avg_pool", ""), ("adaptive_max_pool", ""),
         ("adaptive_max_pool", "_with_indices"))))
+_declare(example_rank(2), F.max_pool1d, F.max_pool1d_with_indices)
+for _n in (2, 3):
+    _declare(example_rank(_n + 1, _max_pool),
+             getattr(F, f"max_pool{_n}d"), getattr(F, f"max_pool{_n}d_with_indices"))
 _BUILTIN.update(SHORTCUTS)
