@@ -251,3 +251,48 @@ def test_isin_and_margin_losses_take_no_slow_loop():
     x, t = torch.randn(3, 6), torch.randint(0, 6, (3,))
     check_vmap(lambda a: torch.isin(a, a[:2]), x, warnings_are_errors=True)
     check_vmap(torch.nn.functional.multi_margin_loss, x, t, warnings_are_errors=True)
+
+
+# -- histc: one scatter over the batch's bins, bit for bit the loop's counts ----------------
+
+HISTC_ARGS = {
+    "own range": {}, "bins": dict(bins=7), "fixed range": dict(bins=5, min=-1.0, max=0.5),
+    "min == max": dict(bins=3, min=0.5, max=0.5), "one bin": dict(bins=1),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16,
+                                   torch.bfloat16])
+@pytest.mark.parametrize("kwargs", list(HISTC_ARGS.values()), ids=list(HISTC_ARGS))
+@pytest.mark.parametrize("in_dim", [0, 1])
+def test_histc(dtype, kwargs, in_dim):
+    """Examples of different scales (rounded, so values fall on bin edges), one constant
+    (its range widens by 1 each way); with a fixed range, NaN and out-of-range values
+    count nowhere."""
+    x = (torch.randn(5, 6, 9) * torch.tensor([1e-3, 1.0, 10.0, 1e3, 1.0])[:, None, None])
+    x = x.round(decimals=1)
+    x[4] = 3.0
+    if "min" in kwargs and kwargs["min"] != kwargs["max"]:
+        x[0, 0, 0] = float("nan")
+    x = x.to(dtype).movedim(0, in_dim)
+    f = lambda v: torch.histc(v, **kwargs)
+    got = check_vmap(f, x, in_dims=in_dim, atol=0, rtol=0)
+    assert got.dtype == dtype
+
+
+def test_histc_of_empty_examples_and_an_empty_batch():
+    f = lambda v: torch.histc(v, bins=3)
+    check_vmap(f, torch.empty(2, 0))
+    # torch.func's fallback refuses an empty batch; one example's histogram has 3 bins
+    assert vmap(f)(torch.empty(0, 4)).shape == (0, 3)
+
+
+def test_histc_errors_name_the_example_and_keep_torchs_messages():
+    x = torch.randn(3, 4)
+    x[1, 2] = float("inf")
+    with pytest.raises(RuntimeError, match=r"range of \[.*, inf\] is not finite .*example 1"):
+        vmap(torch.histc)(x)
+    with pytest.raises(RuntimeError, match="max must be larger than min"):
+        vmap(lambda v: torch.histc(v, min=2, max=1))(x)
+    with pytest.raises(NotImplementedError, match="not implemented for 'Long'"):
+        vmap(torch.histc)(x.long())

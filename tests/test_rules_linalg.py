@@ -155,6 +155,40 @@ def test_cdist_and_its_gradients(dims, p, batches):
                                                      in_dims=dims)(x1, x2))
 
 
+@pytest.mark.parametrize("dim", [0, 1])
+@pytest.mark.parametrize("p", [0.0, 0.5, 1.0, 2.0, 3.0, float("inf")])
+@pytest.mark.parametrize("rows", [1, 2, 6])
+def test_pdist_and_its_gradients(dim, p, rows):
+    x = at(rand(rows, 3), dim)
+    check_vmap(lambda v: torch.nn.functional.pdist(v, p), x, in_dims=dim)
+
+    def loss(v):
+        return torch.nn.functional.pdist(v, p).sin().sum()
+
+    ours = vmap_without_slow_loop(grad(loss), x, in_dims=dim)
+    torch.testing.assert_close(ours, torch.func.vmap(torch.func.grad(loss), in_dims=dim)(x))
+
+
+def test_pdist_gradient_batched_by_its_weights_only():
+    """The gradient is batched, the points are not: pairs' gradients of one shared x."""
+    x, ws = rand(5, 3)[0], rand(10)
+
+    def per_weight(grad):
+        return lambda w: grad(lambda v: (torch.nn.functional.pdist(v) * w).sum())(x)
+
+    torch.testing.assert_close(vmap_without_slow_loop(per_weight(grad), ws),
+                               torch.func.vmap(per_weight(torch.func.grad))(ws))
+
+
+@pytest.mark.parametrize("f, message", [
+    (lambda v: torch.nn.functional.pdist(v, -1.0), "non-negative p"),
+    (lambda v: torch.nn.functional.pdist(v.unsqueeze(0)), "only supports 2D"),
+])
+def test_pdist_errors_are_torchs(f, message):
+    with pytest.raises(RuntimeError, match=message):
+        vmap(f)(rand(4, 3))
+
+
 def test_diag_of_vector():
     check(torch.diag, rand(N), in_dims=0)
     check(lambda v: torch.diag(v, 1), rand(N), in_dims=0)

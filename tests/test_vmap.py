@@ -291,11 +291,11 @@ def test_data_dependent_output_shape_errors_clearly():
 
 
 def test_the_demos_slow_loop_example_still_has_no_rule():
-    # torchlevels/demo.py shows the slow loop with torch.histc: give histc a rule, and
+    # torchlevels/demo.py shows the slow loop with torch.histogram: give it a rule, and
     # the demo needs another example
     from torchlevels.batching.registry import How, resolve
 
-    assert resolve(torch.ops.aten.histc.default).how is How.LOOP
+    assert resolve(torch.ops.aten.histogram.bin_ct).how is How.LOOP
 
 
 @pytest.mark.parametrize("untrack", [".data", "detach_()", "detach()"])

@@ -82,7 +82,8 @@ def main() -> None:
     print("7. an op without a rule still works, through a slow loop that warns once")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        out = vmap(lambda v: torch.histc(v, bins=4, min=0, max=12))(torch.arange(12.).view(3, 4))
+        hist = lambda v: torch.histogram(v, bins=4, range=(0.0, 12.0)).hist
+        out = vmap(hist)(torch.arange(12.).view(3, 4))
     print(f"   result {out.tolist()}; warning: {caught[0].message if caught else None}")
 
     print("8. tools are levels: where they sit decides what they see")

@@ -112,6 +112,33 @@ def cdist_backward(func, args, dims, kwargs):
     return func(grad, x1, x2, p, dist, **kwargs), 0
 
 
+@register(aten._pdist_forward.default)
+def pdist(func, args, dims, kwargs):
+    """Each example's distances between its rows ``i < j``: the upper triangle of
+    ``cdist(x, x, p)`` computed pair by pair (no matrix-product shortcut), as pdist does."""
+    x, p = (*args, 2.0)[:2]
+    func(torch.empty(logical_shape(x, dims[0]), dtype=x.dtype, device="meta"), p)  # errors
+    x = to_front(x, dims[0]).contiguous()
+    i, j = torch.triu_indices(x.shape[1], x.shape[1], offset=1, device=x.device)
+    return aten._cdist_forward(x, x, p, 2)[:, i, j], 0  # 2: never through a matrix product
+
+
+@register(aten._pdist_backward.default)
+def pdist_backward(func, args, dims, kwargs):
+    """Through cdist's backward: row ``i``'s gradient collects pair ``(i, j)``'s from both
+    sides, so the pairs' gradients go in as a symmetric ``(n, n)`` matrix."""
+    size = batch_size(args, dims)
+    grad, x, p, dist = (materialize(a, d, size) if d is not None or isinstance(a, torch.Tensor)
+                        else a for a, d in zip(args, dims))
+    n = x.shape[1]
+    i, j = torch.triu_indices(n, n, offset=1, device=x.device)
+    full_grad = grad.new_zeros(size, n, n)
+    full_dist = dist.new_zeros(size, n, n)
+    full_grad[:, i, j] = full_grad[:, j, i] = grad
+    full_dist[:, i, j] = full_dist[:, j, i] = dist
+    return aten._cdist_backward(full_grad, x.contiguous(), x.contiguous(), p, full_dist), 0
+
+
 @register(aten.tril_.default, aten.triu_.default)
 def triangle_inplace(func, args, dims, kwargs):
     """In place on the last two dims of every example (the decomposition goes through

@@ -143,3 +143,46 @@ def renorm(func, args, dims, kwargs):
     if func is aten.renorm_.default:
         return x.copy_(out), 0
     return out, 0
+
+
+@register(aten.histc.default)
+def histc(func, args, dims, kwargs):
+    """Each example's histogram, in one pass over the batch.
+
+    As ``torch.histc``: each example's range is ``[min, max]``, or its own extremes when
+    ``min == max``, widened by 1 each way when they are equal too; an element's bin is
+    ``(x - min) * bins / (max - min)`` truncated, computed in the input's dtype (its float
+    on CUDA, as CUDA's kernel does), the top edge in the last bin; elements out of range
+    and NaN count nowhere. The bins of the whole batch are then filled by one
+    ``scatter_add_``. Only ``self`` is a tensor, so only it can be batched.
+    """
+    x, bins, low, high = (*args, *_HISTC_DEFAULTS[len(args):])
+    func(x.new_empty(0), bins, low, high)  # torch's own errors: dtype, bins, min > max
+    x = rows(to_front(x, dims[0]))
+    size, n = x.shape
+    if n == 0:
+        return x.new_zeros(size, bins), 0
+    if low == high:
+        low, high = (t.double() for t in torch.aminmax(x, dim=1))
+    else:
+        low, high = (torch.full((size,), v, dtype=torch.float64, device=x.device)
+                     for v in (low, high))
+    equal = low == high
+    low, high = torch.where(equal, low - 1, low), torch.where(equal, high + 1, high)
+    if not (low.isfinite().all() and high.isfinite().all()):
+        bad = (~(low.isfinite() & high.isfinite())).nonzero()[0, 0]
+        raise RuntimeError(f"torch.histc: range of [{low[bad].item()}, {high[bad].item()}] "
+                           f"is not finite (in example {bad.item()} of the vmap batch)")
+    compute = x.dtype
+    if x.device.type != "cpu" and x.element_size() < 4:
+        compute = torch.float32
+    low, high = (t.to(x.dtype).to(compute)[:, None] for t in (low, high))
+    x = x.to(compute)
+    inside = (x >= low) & (x <= high)  # False for NaN
+    pos = ((x - low) * bins / (high - low)).to(torch.int64).clamp_(0, bins - 1)
+    pos = torch.where(inside, pos, 0) + torch.arange(size, device=x.device)[:, None] * bins
+    hist = torch.zeros(size * bins, dtype=args[0].dtype, device=x.device)
+    return hist.scatter_add_(0, pos.flatten(), inside.flatten().to(hist.dtype)).view(size, bins), 0
+
+
+_HISTC_DEFAULTS = (None, 100, 0, 0)  # aten.histc(self, bins=100, min=0, max=0)
