@@ -209,6 +209,38 @@ def test_pooling_backward(k, kind, batched_args):
     check(f, *args, in_dims=tuple(dims))
 
 
+@pytest.mark.parametrize("k", [2, 3])
+@pytest.mark.parametrize("has_n", [True, False])
+@pytest.mark.parametrize("dims", [(0, 0), (0, None), (None, 0), (1, -1)])
+def test_fractional_max_pool_and_its_gradient(k, has_n, dims):
+    """With the random samples given, so every way draws the same; either may be batched."""
+    pool = getattr(F, f"fractional_max_pool{k}d")
+    x, xd = maybe(torch.randn(((2,) if has_n else ()) + (3,) + (9, 8, 7)[:k],
+                              dtype=torch.float64), dims[0] is not None, dims[0] or 0)
+    samples, sd = maybe(torch.rand((2 if has_n else 1, 3, k), dtype=torch.float64),
+                        dims[1] is not None, (dims[1] or 0) % 4)
+
+    def f(x, samples):
+        return pool(x, 2, output_size=(4,) * k, return_indices=True, _random_samples=samples)
+
+    check(f, x, samples, in_dims=(xd, sd))
+
+    def loss(x, samples):
+        return f(x, samples)[0].sin().sum()
+
+    got = vmap_without_slow_loop(grad(loss), x, samples, in_dims=(xd, sd))
+    torch.testing.assert_close(got, torch.func.vmap(torch.func.grad(loss), (xd, sd))(x, samples))
+
+
+@pytest.mark.parametrize("randomness", ["same", "different"])
+def test_fractional_max_pool_draws_per_randomness_mode(randomness):
+    x = torch.randn(3, 9, 9).repeat(4, 1, 1, 1)  # equal examples: pools differ by samples
+    out = vmap(lambda v: F.fractional_max_pool2d(v, 2, output_size=4),
+               randomness=randomness)(x)
+    same = all(torch.equal(out[0], o) for o in out[1:])
+    assert same == (randomness == "same")
+
+
 # -- max pooling in channels-last layout (torchlevels/batching/max_pool.py) ---------------
 
 MAX_POOL_ARGS = [(2,), (3, 2, 1, 1, True), (2, 1, 0, 2, False)]  # kernel, stride, pad, ...

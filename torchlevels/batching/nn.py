@@ -100,6 +100,24 @@ for _k, _ops in {
 }.items():
     register(*(getattr(aten, name) for name in _ops))(spatial_rule(_k))
 
+register(aten.fractional_max_pool2d_backward.default)(spatial_rule(2))
+register(aten.fractional_max_pool3d_backward.default)(spatial_rule(3))
+
+
+@register(aten.fractional_max_pool2d.default, aten.fractional_max_pool3d.default)
+def fractional_max_pool(func, args, dims, kwargs):
+    """Fold the batch into N, of the input and of its random samples (``[N, C, k]``, or
+    ``[1, C, k]`` for an input without N, so both fold the same way)."""
+    x, kernel_size, output_size, samples = args
+    size = batch_size(args, dims)
+    k = len(kernel_size)
+    x, lead = fold(x, dims[0], size, k + 2 if logical_rank(x, dims[0]) == k + 2 else k + 3)
+    samples = materialize(samples, dims[3], size).flatten(0, 1)
+    if len(lead) == 1:  # no N: the batch played N, one sample row per example
+        return func(x, kernel_size, output_size, samples), (0, 0)
+    return unfold(func(x, kernel_size, output_size, samples), lead)
+
+
 _UPSAMPLE_BACKWARD = [
     "upsample_nearest1d_backward", "upsample_nearest2d_backward", "upsample_nearest3d_backward",
     "_upsample_nearest_exact1d_backward", "_upsample_nearest_exact2d_backward",
