@@ -338,3 +338,49 @@ def test_an_empty_batch_as_torch_func(name):
     else:
         expected, actual = func_vmap(EMPTY_BATCH[name])(empty), vmap(EMPTY_BATCH[name])(empty)
     assert actual.shape == expected.shape and actual.dtype == expected.dtype
+
+
+W, TABLE = torch.randn(4, 3, 3, 3), torch.randn(5, 4)
+EMPTY_BATCH_MODELS = {  # torch.func fails on each over a batch of none
+    "conv2d": (lambda x: F.conv2d(x, W), (2, 3, 6, 6)),
+    "conv2d, weight per example": (lambda w: F.conv2d(torch.ones(1, 3, 5, 5), w), (4, 3, 3, 3)),
+    "batch norm (training)": (lambda x: F.batch_norm(x, None, None, training=True), (2, 3, 4)),
+    "instance norm": (lambda x: F.instance_norm(x), (2, 3, 4)),
+    "embedding_bag": (lambda i: F.embedding_bag(i, TABLE), (2, 3)),
+    "index_select": (lambda i: torch.arange(5.0).index_select(0, i), (3,)),
+    "index_add": (lambda i: torch.zeros(5).index_add(0, i, torch.ones(3)), (3,)),
+    "attention": (lambda q: F.scaled_dot_product_attention(q, q, q), (2, 3, 4)),
+}
+
+
+@pytest.mark.parametrize("name", EMPTY_BATCH_MODELS)
+@pytest.mark.parametrize("transform", ["vmap", "vmap(grad)"])
+def test_an_empty_batch_where_kernels_refuse_empty_inputs(name, transform):
+    """What a loop over no examples gives: outputs shaped like one example's, 0 of them.
+    Kernels that refuse the empty inputs a batch of none folds to (0 groups, no elements
+    to normalize), or crash on them (batch norm's backward: SIGFPE), are not called."""
+    f, shape = EMPTY_BATCH_MODELS[name]
+    integer = name in ("embedding_bag", "index_select", "index_add")
+    example = torch.randint(0, 5, shape) if integer else torch.randn(shape)
+    if transform == "vmap(grad)":
+        if integer:
+            pytest.skip("integer inputs have no gradient")
+        f = torchlevels.grad(lambda v, f=f: f(v).sin().sum())
+    expected = f(example)
+    actual = vmap(f)(example.new_empty(0, *shape))
+    assert actual.shape == (0, *expected.shape) and actual.dtype == expected.dtype
+
+
+def test_an_empty_batch_through_the_slow_loop():
+    """The loop runs no example: one example's output shape comes from a meta kernel, and
+    without one the error says so (instead of failing to stack nothing)."""
+    from torchlevels.batching.registry import loop_rule
+
+    x = torch.randn(0, 4, 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out, out_dims = loop_rule(torch.ops.aten.mm.default, (x, torch.randn(3, 2)), (0, None),
+                                  {})
+        assert out.shape == (0, 4, 2) and out_dims == 0
+        with pytest.raises(RuntimeError, match="no meta kernel"):
+            vmap(lambda v: torch.histogram(v, 3).hist)(torch.randn(0, 4))

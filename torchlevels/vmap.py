@@ -33,7 +33,13 @@ from torchlevels._level import (
 )
 from torchlevels._torch_compile import eager
 from torchlevels.batching import predispatch, shortcuts
-from torchlevels.batching.registry import How, resolve, resolved_by_id, written_arguments
+from torchlevels.batching.registry import (
+    How,
+    no_examples,
+    resolve,
+    resolved_by_id,
+    written_arguments,
+)
 from torchlevels.batching.shortcuts import wrap_all_front, wrap_front
 
 _make_wrapper_subclass = torch.Tensor._make_wrapper_subclass
@@ -119,6 +125,14 @@ class BatchLevel(Level):
                 f"vmap: {func} got a batched tensor as a keyword-only argument, which no "
                 "batching rule handles. Pass it positionally or write a rule for the op."
             )
+        if self.batch_size == 0 and not grad and _computes_new_values(func):
+            # Some kernels refuse, or crash on, the empty inputs a batch of no examples
+            # folds to (a grouped convolution of 0 groups, batch norm's backward): give
+            # what a loop over none gives, when one example's output shapes can be found.
+            try:
+                return wrap_outputs(cls, func, False, args, *no_examples(func, phys, dims, kwargs))
+            except Exception:
+                pass  # no meta kernel, or a data-dependent shape: the rule decides
         if (grad or rule.view) and torch.is_grad_enabled():
             # Record autograd on the inner tensors, so autograd outside vmap sees the graph.
             # A view is made as autograd's view of its base even when nothing requires
@@ -142,6 +156,15 @@ class BatchLevel(Level):
         if result is NotImplemented:
             return func.decompose(*args, **kwargs)
         return wrap_outputs(cls, func, False, args, *result)
+
+
+@functools.cache
+def _computes_new_values(func) -> bool:
+    """Whether ``func`` returns fresh tensors computed from its arguments and nothing
+    else: it writes no argument, returns no view of one and draws no random numbers."""
+    schema = func._schema
+    return (not schema.is_mutable and all(r.alias_info is None for r in schema.returns)
+            and torch.Tag.nondeterministic_seeded not in func.tags)
 
 
 def wrap_outputs(cls, func, inplace: bool, args, out, out_dims):

@@ -205,7 +205,7 @@ def index_select(func, args, dims, kwargs):
         x = to_front(self, dims[0])
         return (x if rank == 0 else func(x, d + 1, index)), 0
     size = batch_size(args, dims)
-    index = to_front(index, dims[2]).reshape(size, -1)  # a 0-dim index acts as one entry
+    index = rows(to_front(index, dims[2]))  # a 0-dim index acts as one entry
     if dims[0] is None:
         # one index_select for all examples; its output dim d splits into (B, n)
         if rank == 0:
@@ -216,7 +216,7 @@ def index_select(func, args, dims, kwargs):
         return x, 0
     shape = list(x.shape)
     shape[d + 1] = index.shape[1]
-    index = index.view(size, *(1,) * d, -1, *(1,) * (rank - d - 1)).expand(shape)
+    index = index.view(size, *(1,) * d, index.shape[1], *(1,) * (rank - d - 1)).expand(shape)
     return x.gather(d + 1, index), 0
 
 
@@ -273,7 +273,7 @@ def _folded_update(func, x, d, index, index_bdim, source, source_bdim, rest, kwa
     """Run an index_* op with a batched index once: fold the batch into dim ``d`` and
     offset each example's indices by ``b * x.size(d)``, so examples stay apart."""
     size, length = x.shape[0], x.shape[d]
-    index = to_front(index, index_bdim).reshape(size, -1)
+    index = rows(to_front(index, index_bdim))
     index = (index + _arange(size, 1, index.device) * length).reshape(-1)
     folded = x.movedim(d, 1).flatten(0, 1)
     if source_bdim is not None:
@@ -290,9 +290,9 @@ def take(func, args, dims, kwargs):
     """take: index each example's flattened self with a gather."""
     self, index = args
     size = batch_size(args, dims)
-    flat = materialize(self, dims[0], size).reshape(size, -1)
+    flat = rows(materialize(self, dims[0], size))
     index = materialize(index, dims[1], size)
-    flat_index = index.reshape(size, -1)
+    flat_index = rows(index)
     # take accepts negative indices, gather does not (gather still checks the bounds)
     flat_index = torch.where(flat_index < 0, flat_index + flat.shape[1], flat_index)
     return flat.gather(1, flat_index).view(index.shape), 0
@@ -306,10 +306,10 @@ def put(func, args, dims, kwargs):
     accumulate = bool(rest[0]) if rest else kwargs.get("accumulate", False)
     size = batch_size(args, dims)
     x = materialize(self, dims[0], size)
-    flat = x.reshape(size, -1)
-    flat_index = materialize(index, dims[1], size).reshape(size, -1)
+    flat = rows(x)
+    flat_index = rows(materialize(index, dims[1], size))
     flat_index = torch.where(flat_index < 0, flat_index + flat.shape[1], flat_index)
-    flat_source = materialize(source, dims[2], size).reshape(size, -1)
+    flat_source = rows(materialize(source, dims[2], size))
     if flat_index.shape != flat_source.shape:  # torch's own message, from one example
         func(self.select(dims[0], 0) if dims[0] is not None else self,
              index.select(dims[1], 0) if dims[1] is not None else index,
@@ -379,11 +379,11 @@ def masked_scatter(func, args, dims, kwargs):
     m = pad_to_rank(materialize(mask, dims[1], size), rank)
     shape = torch.broadcast_shapes(x.shape, m.shape)
     m = m.expand(shape)
-    flat_source = materialize(source, dims[2], size).reshape(size, -1)
+    flat_source = rows(materialize(source, dims[2], size))
     if flat_source.shape[1] == 0:  # nothing to gather from: keep gather's index in range
         flat_source = flat_source.new_zeros(size, 1)
     # the running count of Trues numbers the source value each position takes
-    position = (m.reshape(size, -1).cumsum(1) - 1).clamp(min=0)
+    position = (rows(m).cumsum(1) - 1).clamp(min=0)
     out = torch.where(m, flat_source.gather(1, position).view(shape), x)
     if inplace:
         to_front(self, dims[0]).copy_(out.view(to_front(self, dims[0]).shape))
@@ -490,10 +490,10 @@ def embedding_renorm_(func, args, dims, kwargs):
         func(weight, indices.flatten(), *rest, **kwargs)
         return weight, None
     weight = to_front(weight, dims[0])
-    size, rows = weight.shape[0], weight.shape[1]
-    indices = materialize(indices, dims[1], size).reshape(size, -1)
-    offsets = torch.arange(size, device=indices.device).unsqueeze(1) * rows
-    flat = weight.reshape(size * rows, -1)  # a copy when weight is not contiguous
+    size, table_rows = weight.shape[0], weight.shape[1]
+    indices = rows(materialize(indices, dims[1], size))
+    offsets = torch.arange(size, device=indices.device).unsqueeze(1) * table_rows
+    flat = weight.flatten(0, 1)  # a copy when weight is not contiguous
     func(flat, (indices + offsets).flatten(), *rest, **kwargs)
     if not weight.is_contiguous():
         weight.copy_(flat.view(weight.shape))

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from torchlevels._level import autograd_records
-from torchlevels.batching.dims import logical_rank, materialize, to_front
+from torchlevels.batching.dims import logical_rank, logical_shape, materialize, to_front
 from torchlevels.batching.max_pool import max_pool
 from torchlevels.batching.registry import batch_size, register, skip_decomposition
 
@@ -586,14 +586,14 @@ def _fold_mask(kwargs: dict, size: int) -> dict:
 def flash_attention_cpu(func, args, dims, kwargs):
     """Fold the batch into N. (torch._decomp's decomposition of this op returns the attention
     weights where the kernel returns its log-sum-exp, which the backward kernel reads.)"""
-    size = batch_size(args, dims)
+    size, n = batch_size(args, dims), logical_shape(args[0], dims[0])[0]
     out, lse = func(*_fold_attention(args, dims, 3, size), *args[3:], **_fold_mask(kwargs, size))
-    return (out.unflatten(0, (size, -1)), lse.unflatten(0, (size, -1))), (0, 0)
+    return (out.unflatten(0, (size, n)), lse.unflatten(0, (size, n))), (0, 0)
 
 
 @register(aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
 def flash_attention_cpu_backward(func, args, dims, kwargs):
     """Fold the batch into N, of the gradient, the inputs and the forward's outputs."""
-    size = batch_size(args, dims)
+    size, n = batch_size(args, dims), logical_shape(args[1], dims[1])[0]
     grads = func(*_fold_attention(args, dims, 6, size), *args[6:], **_fold_mask(kwargs, size))
-    return tuple(g.unflatten(0, (size, -1)) for g in grads), (0, 0, 0)
+    return tuple(g.unflatten(0, (size, n)) for g in grads), (0, 0, 0)

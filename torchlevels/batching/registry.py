@@ -319,6 +319,15 @@ def loop_rule(func: OpOverload, args: tuple, dims: tuple, kwargs: dict) -> tuple
         _warned.add(func)
         warnings.warn(f"no batching rule for {func}; using a slow loop", stacklevel=2)
     size = batch_size(args, dims)
+    if size == 0:
+        try:
+            return no_examples(func, args, dims, kwargs)
+        except NotImplementedError:
+            raise RuntimeError(
+                f"vmap over a batch of 0 examples: {func} has no batching rule, and no meta "
+                "kernel to find the shape of one example's output. Skip the call for an "
+                "empty batch, or write a batching rule for the op."
+            ) from None
     # some kernels need contiguous inputs (pdist); ops that write or return views get views
     schema = func._schema
     contiguous = not schema.is_mutable and all(r.alias_info is None for r in schema.returns)
@@ -336,6 +345,32 @@ def loop_rule(func: OpOverload, args: tuple, dims: tuple, kwargs: dict) -> tuple
         f"vmap: {func} returned {type(first).__name__}, which cannot be batched by the "
         "per-example loop. Write a batching rule for it (see docs/writing-batching-rules.md)."
     )
+
+
+def no_examples(func: OpOverload, args: tuple, dims: tuple, kwargs: dict) -> tuple[Any, Any]:
+    """What a loop over a batch of no examples gives: ``(0, *shape)`` outputs, ``shape`` that
+    of one example's output, found by running ``func`` on meta tensors. For kernels that
+    refuse the empty inputs a batch of none folds to (0 groups of a grouped convolution,
+    batch norm over no elements...)."""
+
+    def meta(a, d):
+        if isinstance(d, tuple):
+            return [meta(t, e) for t, e in zip(a, d)]
+        if not isinstance(a, torch.Tensor):
+            return a
+        shape = a.shape if d is None else a.shape[:d] + a.shape[d + 1:]
+        return torch.empty(shape, dtype=a.dtype, device="meta")
+
+    device = next(a.device for a in args if isinstance(a, torch.Tensor))
+    out = func(*map(meta, args, dims), **{k: meta(v, None) for k, v in kwargs.items()})
+
+    def batch_of_none(o):
+        return torch.empty((0, *o.shape), dtype=o.dtype, device=device)
+
+    if isinstance(out, torch.Tensor):
+        return batch_of_none(out), 0
+    outs = [batch_of_none(o) if isinstance(o, torch.Tensor) else o for o in out]
+    return type(out)(outs), tuple(0 if isinstance(o, torch.Tensor) else None for o in outs)
 
 
 def _stack(func: OpOverload, outs: list[torch.Tensor]) -> torch.Tensor:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from torchlevels.batching.dims import (
@@ -23,8 +25,13 @@ aten = torch.ops.aten
           aten._reshape_alias.default)
 def view(func, args, dims, kwargs):
     x = to_front(args[0], dims[0])
+    shape = args[1]
+    if x.shape[0] == 0 and -1 in shape:  # no examples: -1 is ambiguous in [0, ..., -1, ...]
+        known = math.prod(s for s in shape if s != -1)
+        if known:
+            shape = [math.prod(x.shape[1:]) // known if s == -1 else s for s in shape]
     # reshape, not view: moving the batch dim first may have made x non-contiguous
-    return x.reshape(x.shape[0], *args[1]), 0
+    return x.reshape(x.shape[0], *shape), 0
 
 
 @register(aten.view_as_real, aten.view_as_complex)
