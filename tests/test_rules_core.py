@@ -9,6 +9,7 @@ import torch
 from torch.func import vmap as func_vmap
 from vmap_reference import check_vmap, loop_reference, vmap_without_slow_loop
 
+import torchlevels
 from torchlevels import vmap
 
 
@@ -296,3 +297,45 @@ def test_histc_errors_name_the_example_and_keep_torchs_messages():
         vmap(lambda v: torch.histc(v, min=2, max=1))(x)
     with pytest.raises(NotImplementedError, match="not implemented for 'Long'"):
         vmap(torch.histc)(x.long())
+
+
+# -- vander: PyTorch writes into a tensor it makes; torchlevels builds it out of place -------
+
+VANDER_ARGS = [{}, dict(N=3), dict(N=1), dict(N=0), dict(N=6, increasing=True)]
+
+
+@pytest.mark.parametrize("kwargs", VANDER_ARGS)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.int32])
+@pytest.mark.parametrize("in_dim", [0, 1])
+def test_vander(kwargs, dtype, in_dim):
+    x = (torch.randn(3, 5) * 3).to(dtype).movedim(0, in_dim)
+    check_vmap(lambda v: torch.vander(v, **kwargs), x, in_dims=in_dim, atol=0, rtol=0)
+
+
+def _vander_by_powers(v, N=None, increasing=False):
+    """The same matrix by ``pow``, which PyTorch differentiates (its vander it cannot)."""
+    out = v.unsqueeze(-1) ** torch.arange(v.shape[0] if N is None else N)
+    return out if increasing else out.flip(-1)
+
+
+@pytest.mark.parametrize("kwargs", VANDER_ARGS)
+def test_vander_differentiates_at_every_level(kwargs):
+    """vmap(grad), vmap(jvp) and autograd through vmap, where torch.func's vander fails
+    (PyTorch's own backward of vander raises: it modifies a tensor autograd saved)."""
+    x = torch.randn(3, 5, dtype=torch.float64)
+    ours = lambda v: torch.vander(v, **kwargs)
+    powers = lambda v: _vander_by_powers(v, **kwargs)
+    loss = lambda f: (lambda v: f(v).sin().sum())
+    torch.testing.assert_close(vmap(torchlevels.grad(loss(ours)))(x),
+                               torch.func.vmap(torch.func.grad(loss(powers)))(x))
+    torch.testing.assert_close(
+        vmap(lambda v: torchlevels.jvp(ours, (v,), (v.cos(),))[1])(x),
+        torch.func.vmap(lambda v: torch.func.jvp(powers, (v,), (v.cos(),))[1])(x))
+    assert torch.autograd.gradcheck(vmap(ours), (x.clone().requires_grad_(),))
+
+
+@pytest.mark.parametrize("f, message", [(lambda v: torch.vander(v, N=-1), "non-negative"),
+                                        (lambda v: torch.vander(v.unsqueeze(0)), "one-dim")])
+def test_vander_errors_are_torchs(f, message):
+    with pytest.raises(RuntimeError, match=message):
+        vmap(f)(torch.randn(3, 4))

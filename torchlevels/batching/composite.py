@@ -128,3 +128,23 @@ def one_hot(func, args, dims, kwargs):
             "differs per example. Pass num_classes=..."
         )
     return NotImplemented
+
+
+def vander(op, args, kwargs):
+    """``torch.vander`` built as PyTorch builds it (ones, then the running product of x),
+    but out of place, on the tensors of whatever levels it gets: PyTorch's decomposition
+    writes x into a tensor it makes itself, which vmap cannot batch (it is unbatched) and
+    grad and jvp levels refuse (it is captured). Values are PyTorch's, bit for bit."""
+    x, n, increasing = (*args, *(None, False)[len(args) - 1:])
+    n, increasing = kwargs.get("N", n), kwargs.get("increasing", increasing)
+    if x.dim() != 1 or (n is not None and n < 0):
+        return passed_by(op, args, kwargs)  # torch's own errors
+    n = x.shape[0] if n is None else n
+    x = x.to(torch.promote_types(x.dtype, torch.long)).unsqueeze(-1)
+    powers = x.expand(x.shape[0], max(n - 1, 0)).cumprod(-1)
+    out = torch.cat([torch.ones_like(x), powers], -1)[:, :n]
+    return out if increasing else out.flip(-1)
+
+
+intercept(aten.vander.default, vander)
+_ops.append(aten.vander.default)
