@@ -341,8 +341,13 @@ def test_an_empty_batch_as_torch_func(name):
 
 
 W, TABLE = torch.randn(4, 3, 3, 3), torch.randn(5, 4)
-EMPTY_BATCH_MODELS = {  # torch.func fails on each over a batch of none
+EMPTY_BATCH_MODELS = {  # torch.func raises or returns a wrong shape for each over none
     "conv2d": (lambda x: F.conv2d(x, W), (2, 3, 6, 6)),
+    "conv2d of one image": (lambda x: F.conv2d(x, W), (3, 6, 6)),
+    "batch norm (eval)": (lambda x: F.batch_norm(x, torch.zeros(3), torch.ones(3)), (2, 3, 4)),
+    "group norm": (lambda x: F.group_norm(x, 1), (2, 4, 5)),
+    "interpolate": (lambda x: F.interpolate(x, scale_factor=2.0), (2, 3, 4)),
+    "unfold": (lambda x: F.unfold(x, 2), (2, 3, 4, 4)),
     "conv2d, weight per example": (lambda w: F.conv2d(torch.ones(1, 3, 5, 5), w), (4, 3, 3, 3)),
     "batch norm (training)": (lambda x: F.batch_norm(x, None, None, training=True), (2, 3, 4)),
     "instance norm": (lambda x: F.instance_norm(x), (2, 3, 4)),
