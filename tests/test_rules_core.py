@@ -339,3 +339,22 @@ def test_vander_differentiates_at_every_level(kwargs):
 def test_vander_errors_are_torchs(f, message):
     with pytest.raises(RuntimeError, match=message):
         vmap(f)(torch.randn(3, 4))
+
+
+@pytest.mark.parametrize("name", ["histc", "vander", "pdist"])
+def test_rules_of_this_kind_nest(name):
+    """Inside another vmap their tensors are batched twice: no Python value is read from
+    the outer batch, no write goes into an unbatched tensor."""
+    f, shape = {"histc": (lambda v: torch.histc(v, 4), (2, 3, 10)),
+                "vander": (torch.vander, (2, 3, 5)),
+                "pdist": (torch.nn.functional.pdist, (2, 3, 4, 5))}[name]
+    x = torch.randn(shape, dtype=torch.float64)
+    expected = torch.stack([torch.stack([f(row) for row in block]) for block in x])
+    torch.testing.assert_close(vmap_without_slow_loop(vmap(f), x), expected)
+
+
+def test_histc_range_error_inside_another_vmap():
+    x = torch.randn(2, 3, 10)
+    x[1, 2, 3] = float("inf")
+    with pytest.raises(RuntimeError, match="range is not finite"):
+        vmap(vmap(torch.histc))(x)

@@ -154,7 +154,7 @@ def histc(func, args, dims, kwargs):
     ``(x - min) * bins / (max - min)`` truncated, computed in the input's dtype (its float
     on CUDA, as CUDA's kernel does), the top edge in the last bin; elements out of range
     and NaN count nowhere. The bins of the whole batch are then filled by one
-    ``scatter_add_``. Only ``self`` is a tensor, so only it can be batched.
+    ``scatter_add``. Only ``self`` is a tensor, so only it can be batched.
     """
     x, bins, low, high = (*args, *_HISTC_DEFAULTS[len(args):])
     func(x.new_empty(0), bins, low, high)  # torch's own errors: dtype, bins, min > max
@@ -169,10 +169,9 @@ def histc(func, args, dims, kwargs):
                      for v in (low, high))
     equal = low == high
     low, high = torch.where(equal, low - 1, low), torch.where(equal, high + 1, high)
-    if not (low.isfinite().all() and high.isfinite().all()):
-        bad = (~(low.isfinite() & high.isfinite())).nonzero()[0, 0]
-        raise RuntimeError(f"torch.histc: range of [{low[bad].item()}, {high[bad].item()}] "
-                           f"is not finite (in example {bad.item()} of the vmap batch)")
+    finite = low.isfinite() & high.isfinite()
+    if not torch._is_all_true(finite):  # one answer for the batches of enclosing levels too
+        raise RuntimeError(_histc_range_error(low, high, finite))
     compute = x.dtype
     if x.device.type != "cpu" and x.element_size() < 4:
         compute = torch.float32
@@ -182,7 +181,18 @@ def histc(func, args, dims, kwargs):
     pos = ((x - low) * bins / (high - low)).to(torch.int64).clamp_(0, bins - 1)
     pos = torch.where(inside, pos, 0) + torch.arange(size, device=x.device)[:, None] * bins
     hist = torch.zeros(size * bins, dtype=args[0].dtype, device=x.device)
-    return hist.scatter_add_(0, pos.flatten(), inside.flatten().to(hist.dtype)).view(size, bins), 0
+    # out of place: x may be a tensor of an enclosing vmap level, which hist is not
+    return hist.scatter_add(0, pos.flatten(), inside.flatten().to(hist.dtype)).view(size, bins), 0
 
 
 _HISTC_DEFAULTS = (None, 100, 0, 0)  # aten.histc(self, bins=100, min=0, max=0)
+
+
+def _histc_range_error(low, high, finite) -> str:
+    """torch.histc's message for a range that is not finite, naming the example (values of
+    a batch of an enclosing vmap cannot be read)."""
+    if type(finite) is not torch.Tensor:
+        return "torch.histc: range is not finite (in an example of the vmap batch)"
+    bad = (~finite).nonzero()[0, 0]
+    return (f"torch.histc: range of [{low[bad].item()}, {high[bad].item()}] is not finite "
+            f"(in example {bad.item()} of the vmap batch)")
