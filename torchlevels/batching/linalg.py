@@ -128,15 +128,16 @@ def pdist_backward(func, args, dims, kwargs):
     """Through cdist's backward: row ``i``'s gradient collects pair ``(i, j)``'s from both
     sides, so the pairs' gradients go in as a symmetric ``(n, n)`` matrix."""
     size = batch_size(args, dims)
-    grad, x, p, dist = (materialize(a, d, size) if d is not None or isinstance(a, torch.Tensor)
-                        else a for a, d in zip(args, dims))
+    grad, x, p, dist = (materialize(a, d, size) if isinstance(a, torch.Tensor) else a
+                        for a, d in zip(args, dims))
+    x = x.contiguous()
     n = x.shape[1]
     i, j = torch.triu_indices(n, n, offset=1, device=x.device)
     full_grad = grad.new_zeros(size, n, n)
     full_dist = dist.new_zeros(size, n, n)
     full_grad[:, i, j] = full_grad[:, j, i] = grad
     full_dist[:, i, j] = full_dist[:, j, i] = dist
-    return aten._cdist_backward(full_grad, x.contiguous(), x.contiguous(), p, full_dist), 0
+    return aten._cdist_backward(full_grad, x, x, p, full_dist), 0
 
 
 @register(aten.tril_.default, aten.triu_.default)

@@ -110,11 +110,8 @@ def fractional_max_pool(func, args, dims, kwargs):
     ``[1, C, k]`` for an input without N, so both fold the same way)."""
     x, kernel_size, output_size, samples = args
     size = batch_size(args, dims)
-    k = len(kernel_size)
-    x, lead = fold(x, dims[0], size, k + 2 if logical_rank(x, dims[0]) == k + 2 else k + 3)
+    x, lead = fold(x, dims[0], size, len(kernel_size) + 2)
     samples = materialize(samples, dims[3], size).flatten(0, 1)
-    if len(lead) == 1:  # no N: the batch played N, one sample row per example
-        return func(x, kernel_size, output_size, samples), (0, 0)
     return unfold(func(x, kernel_size, output_size, samples), lead)
 
 
