@@ -220,6 +220,117 @@ class TestRandomness:
     def test_eval_dropout_is_not_random(self):
         same(lambda x: F.dropout(x, 0.5, training=False), self.x)
 
+    def test_functional_uniform_follows_the_mode(self):
+        """``aten.uniform`` (functional, used by decompositions) decomposes into a draw of
+        the logical shape: before, it drew once in every mode. torch.func falls back to a
+        loop that ignores the mode, drawing each example in turn from the same stream."""
+        f = lambda t: torch.ops.aten.uniform(t, -1.0, 2.0)
+        with pytest.raises(RuntimeError, match="randomness"):
+            vmap(f)(self.x)
+        loop = []
+        for mode in ("different", "same"):
+            torch.manual_seed(0)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # torch.func's slow-fallback warning
+                loop.append(func_vmap(f, randomness=mode)(self.x))
+            torch.manual_seed(0)
+            ours = vmap(f, randomness=mode)(self.x)
+            expected = loop[-1] if mode == "different" else loop[-1][:1].expand_as(ours)
+            assert_close(ours, expected, rtol=0, atol=0)
+        assert not torch.equal(loop[0][0], loop[0][1])
+
+
+def _rrelu_with_slopes(x, lower=0.1, upper=0.3):
+    """rrelu in training mode and the slopes it drew (written to its noise)."""
+    noise = torch.empty_like(x)
+    return torch.ops.aten.rrelu_with_noise(x, noise, lower, upper, True), noise
+
+
+def _check_rrelu(x, out, slopes, lower=0.1, upper=0.3):
+    """``out`` is ``x`` times ``slopes``: drawn from [lower, upper] where ``x <= 0``, 1
+    elsewhere (what PyTorch's kernel computes)."""
+    negative = x <= 0
+    assert torch.equal(out, torch.where(negative, x * slopes, x))
+    assert torch.equal(slopes[~negative], torch.ones_like(slopes[~negative]))
+    assert ((slopes[negative] >= lower) & (slopes[negative] <= upper)).all()
+
+
+class TestRRelu:
+    """rrelu draws its slopes in training mode, per the randomness mode (torch.func has no
+    rule for rrelu; before, torchlevels' slow loop drew per example in every mode)."""
+
+    x = torch.randn(1, 40).expand(5, 40).contiguous()  # equal examples, both signs
+
+    @pytest.mark.parametrize("mode", ["different", "same"])
+    def test_slopes_per_mode(self, mode):
+        out, slopes = vmap(_rrelu_with_slopes, randomness=mode)(self.x)
+        _check_rrelu(self.x, out, slopes)
+        negative = self.x[0] <= 0
+        assert torch.equal(slopes[0], slopes[1]) == (mode == "same")
+        assert negative.any() and torch.equal(out[0], out[1]) == (mode == "same")
+
+    def test_same_shares_slopes_between_different_examples(self):
+        x = torch.randn(6, 50)
+        out, slopes = vmap(_rrelu_with_slopes, randomness="same")(x)
+        _check_rrelu(x, out, slopes)
+        both = (x[0] <= 0) & (x[1] <= 0)
+        assert both.any() and torch.equal(slopes[0][both], slopes[1][both])
+
+    @pytest.mark.parametrize("mode", ["different", "same"])
+    @pytest.mark.parametrize("form", ["F.rrelu", "inplace", "functional"])
+    def test_forms(self, mode, form):
+        if form == "functional":  # returns the slopes, leaves its noise argument alone
+            noise = torch.zeros(40)
+            out, slopes = vmap(lambda t: torch.ops.aten.rrelu_with_noise_functional(
+                t, noise, 0.1, 0.3, True), randomness=mode)(self.x)
+            assert not noise.any()
+        else:
+            f = {"F.rrelu": lambda t: F.rrelu(t, 0.1, 0.3, training=True),
+                 "inplace": lambda t: F.rrelu(t.clone(), 0.1, 0.3, True, inplace=True)}[form]
+            out = vmap(f, randomness=mode)(self.x)
+            slopes = torch.where(self.x <= 0, out / self.x, 1)
+        _check_rrelu(self.x, out, slopes)
+        assert torch.equal(out[0], out[1]) == (mode == "same")
+
+    def test_error_mode_and_eval(self):
+        with pytest.raises(RuntimeError, match="randomness"):
+            vmap(lambda t: F.rrelu(t, training=True))(self.x)
+        x = torch.randn(4, 7)
+        for f in (F.rrelu, lambda t: F.rrelu(t.clone(), inplace=True),
+                  lambda t: torch.ops.aten.rrelu_with_noise(t, torch.empty_like(t))):
+            assert_close(vmap(f)(x), torch.stack([f(row) for row in x]))
+
+    @pytest.mark.parametrize("mode", ["different", "same", "error"])
+    def test_unbatched_input(self, mode):
+        w = torch.randn(40)
+        f = lambda t: F.rrelu(w, 0.1, 0.3, training=True) + t * 0
+        if mode == "error":
+            with pytest.raises(RuntimeError, match="randomness"):
+                vmap(f)(self.x)
+            return
+        out = vmap(f, randomness=mode)(self.x)
+        _check_rrelu(w.expand_as(out), out, torch.where(w <= 0, out / w, 1))
+        assert torch.equal(out[0], out[1]) == (mode == "same")
+
+    def test_unbatched_noise_for_a_batched_input_errors(self):
+        noise = torch.empty(40)
+        with pytest.raises(RuntimeError, match="not batched"):
+            vmap(lambda t: torch.ops.aten.rrelu_with_noise(t, noise, 0.1, 0.3, True),
+                 randomness="different")(self.x)
+
+    @pytest.mark.parametrize("mode", ["different", "same"])
+    def test_gradient_is_the_slope(self, mode):
+        def loss(x):
+            out, slopes = _rrelu_with_slopes(x)
+            return out.sum(), slopes
+
+        gradient, slopes = vmap(torchlevels.grad(loss, has_aux=True), randomness=mode)(self.x)
+        assert torch.equal(gradient, slopes)
+        x = self.x.clone().requires_grad_()
+        out, slopes = vmap(_rrelu_with_slopes, randomness=mode)(x)
+        out.sum().backward()
+        assert torch.equal(x.grad, slopes)
+
 
 def test_autograd_flows_through_vmap_to_parameters():
     lin = torch.nn.Linear(3, 2)

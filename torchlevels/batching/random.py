@@ -9,6 +9,7 @@ before dispatch (see predispatch.py) to apply each live level's randomness.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from torchlevels._level import LevelTensor, enclosing_classes, innermost
 from torchlevels._torch_compile import compiling, tracing_user_code
@@ -33,19 +34,26 @@ _PACKETS = {
         "rand", "randn", "randint", "randperm", "normal", "normal_", "bernoulli", "bernoulli_",
         "multinomial", "poisson", "uniform_", "random_", "exponential_", "geometric_",
         "cauchy_", "log_normal_", "native_dropout", "rand_like", "randn_like",
-        "randint_like", "_standard_gamma", "binomial", "_sample_dirichlet",
+        "randint_like", "_standard_gamma", "binomial", "_sample_dirichlet", "uniform",
     )
 }
+# rrelu draws its negative slopes in training mode only; the composite forms are
+# intercepted so that an unbatched input gets each level's randomness
+_RRELU = {aten.rrelu_with_noise, aten.rrelu_with_noise_, aten.rrelu_with_noise_functional}
+_RRELU_COMPOSITE = {aten.rrelu, aten.rrelu_}
 # Composite dropouts decompose into in-place bernoulli_ on a fresh tensor: the hook sees
 # them first, so an unbatched input is batched before it decomposes.
 _DROPOUTS = {aten.dropout, aten.feature_dropout, aten.alpha_dropout, aten.feature_alpha_dropout}
 
 
-_LIKE = {aten.rand_like, aten.randn_like, aten.randint_like}
+# random ops whose tensor argument gives only the shape, dtype and device of the draw
+_LIKE = {aten.rand_like, aten.randn_like, aten.randint_like, aten.uniform}
 
 
 def rule(level, func, args, dims, kwargs):
     """The batching rule of every random op that takes a batched tensor."""
+    if func.overloadpacket in _RRELU:
+        return _rrelu(level, func, args, dims, kwargs)
     randomness = level.randomness
     if randomness == "error":
         raise RuntimeError(f"{ERROR} (got {func})")
@@ -87,6 +95,61 @@ def _raise_different_inplace(func) -> None:
     )
 
 
+def _rrelu(level, func, args, dims, kwargs):
+    """``rrelu_with_noise`` (and its in-place and functional forms): in training, each
+    non-positive element of ``self`` times a slope drawn from U(lower, upper), and the
+    slopes (1 for the other elements) written to ``noise``; in eval mode, leaky_relu with
+    the mean slope, ``noise`` untouched."""
+    p = _bound(func, args, kwargs)
+    self, noise, lower, upper = p["self"], p["noise"], p["lower"], p["upper"]
+    self_dim, noise_dim = dims[0], dims[1]
+    out_dim = None if self_dim is None else 0
+    x = to_front(self, self_dim)
+    if not p["training"]:
+        out, slopes = F.leaky_relu(x, (lower + upper) / 2), None
+    elif level.randomness == "error":
+        raise RuntimeError(f"{ERROR} (got {func})")
+    elif level.randomness == "different":  # the kernel on the batch: a slope per element
+        if self_dim is None:
+            if writes_first_argument(func):
+                _raise_different_inplace(func)
+            x, out_dim = x.expand(level.batch_size, *x.shape), 0
+        slopes = torch.empty_like(x)
+        out = aten.rrelu_with_noise.default(x, slopes, lower, upper, True, p["generator"])
+    else:  # "same": one example's slopes, drawn once, for every example
+        shape = x.shape if self_dim is None else x.shape[1:]
+        drawn = torch.empty(shape, dtype=x.dtype, device=x.device)
+        drawn.uniform_(lower, upper, generator=p["generator"])
+        negative = x <= 0
+        out, slopes = torch.where(negative, x * drawn, x), torch.where(negative, drawn, 1)
+    if func.overloadpacket is aten.rrelu_with_noise_functional:
+        if slopes is None:  # eval: the noise is returned as it was
+            return (out, noise.clone()), (out_dim, noise_dim)
+        return (out, slopes), (out_dim, out_dim)
+    if slopes is not None:
+        if noise_dim is None and out_dim is not None:
+            raise RuntimeError(
+                f"vmap: {func} writes each example's random slopes into `noise`, which is "
+                "not batched at this level. Pass a batched noise tensor (e.g. "
+                "torch.empty_like of the batched input), or call F.rrelu."
+            )
+        to_front(noise, noise_dim).copy_(slopes)
+    if writes_first_argument(func):
+        if self_dim is None and out_dim is not None:
+            _raise_different_inplace(func)
+        return x.copy_(out), out_dim
+    return out, out_dim
+
+
+def _bound(func, args, kwargs) -> dict:
+    """``func``'s arguments by name, defaults filled in."""
+    schema = func._schema.arguments
+    bound = {a.name: a.default_value for a in schema if a.has_default_value()}
+    bound.update(zip((a.name for a in schema), args))
+    bound.update(kwargs)
+    return bound
+
+
 def _multinomial(func, args, dims, kwargs):
     probs = to_front(args[0], dims[0])
     flat = probs.reshape(-1, probs.shape[-1])
@@ -94,7 +157,7 @@ def _multinomial(func, args, dims, kwargs):
     return out.reshape(*probs.shape[:-1], out.shape[-1]), 0
 
 
-register(*_PACKETS, takes_level=True)(rule)
+register(*_PACKETS, *_RRELU, takes_level=True)(rule)
 
 
 # -- random ops whose tensors are not batched at some level: torch.randn(3) inside vmap --
@@ -110,10 +173,8 @@ def _random_in_levels(op, args, kwargs):
 
     if compiling():
         return _while_compiling(op, args, kwargs)
-    if (op.overloadpacket in _DROPOUTS or op is aten.native_dropout.default) and (
-        not args[2] or (op.overloadpacket in _DROPOUTS and args[1] in (0, 1))
-    ):
-        return passed_by(op, args, kwargs)  # eval mode, p=0 or p=1: the dropout draws nothing
+    if _draws_nothing(op, args, kwargs):
+        return passed_by(op, args, kwargs)
     classes = [c for c in enclosing_classes(innermost()) if isinstance(c._level, BatchLevel)]
     for cls in classes:
         if cls._level.randomness == "error":
@@ -133,6 +194,16 @@ def _random_in_levels(op, args, kwargs):
                 _raise_different_inplace(op)
             args[first] = _batch_at(args[first], cls)
     return passed_by(op, args, kwargs)
+
+
+def _draws_nothing(op, args, kwargs) -> bool:
+    """A dropout in eval mode or with p 0 or 1, or an rrelu in eval mode."""
+    packet = op.overloadpacket
+    if packet in _DROPOUTS or op is aten.native_dropout.default:
+        return not args[2] or (packet in _DROPOUTS and args[1] in (0, 1))
+    if packet in _RRELU or packet in _RRELU_COMPOSITE:
+        return not _bound(op, args, kwargs)["training"]
+    return False
 
 
 def _while_compiling(op, args, kwargs):
@@ -198,7 +269,7 @@ def _draw(op, args, kwargs, sizes):
     return draws.reshape(*sizes, *draws.shape[1:])
 
 
-for _packet in _PACKETS | _DROPOUTS:
+for _packet in _PACKETS | _DROPOUTS | _RRELU | _RRELU_COMPOSITE:
     for _name in _packet.overloads():
         if "out" not in _name:
             intercept(getattr(_packet, _name), _random_in_levels)
