@@ -31,6 +31,8 @@ _AUTOGRAD = torch._C.DispatchKey.AutogradFunctionality
 _AUTOGRAD_KEYS = tuple(getattr(torch._C.DispatchKey, k) for k in (
     "AutogradFunctionality", "AutogradOther", "AutogradNestedTensor"))
 _AD_INPLACE_OR_VIEW = torch._C.DispatchKey.ADInplaceOrView
+_LAZY_BIT_KEYS = tuple(getattr(torch._C.DispatchKey, k) for k in (
+    "Conjugate", "Negative", "ZeroTensor"))
 _autograd_excluded = torch._C._dispatch_tls_is_dispatch_key_excluded
 _set_excluded = torch._C._dispatch_tls_set_dispatch_key_excluded
 _restore_tls = torch._C._RestorePythonTLSSnapshot
@@ -189,6 +191,24 @@ class autograd_on:  # lower case: used like a function, `with autograd_on():`
 
     def __exit__(self, *exc: object) -> None:
         self._snapshot.__exit__(*exc)
+
+
+class lazy_bits_on:  # lower case: used like a function, `with lazy_bits_on():`
+    """Inside ``__torch_dispatch__``: PyTorch's conjugate, negative and zero-tensor
+    fallbacks back on. PyTorch excludes every key above Python while a subclass handles
+    an op, these among them, so a kernel run there would read a conj or neg view that it
+    makes itself (``U.mH`` inside ``linalg.pinv``) as the plain tensor under it."""
+
+    __slots__ = ("_excluded",)
+
+    def __enter__(self) -> None:
+        self._excluded = [_autograd_excluded(k) for k in _LAZY_BIT_KEYS]
+        for key in _LAZY_BIT_KEYS:
+            _set_excluded(key, False)
+
+    def __exit__(self, *exc: object) -> None:
+        for key, excluded in zip(_LAZY_BIT_KEYS, self._excluded):
+            _set_excluded(key, excluded)
 
 
 def autograd_records() -> bool:

@@ -25,6 +25,7 @@ from torchlevels._level import (
     autograd_on,
     data_property,
     entered,
+    lazy_bits_on,
     new_level_class,
     refuse_functional,
     requires_grad_flag,
@@ -140,7 +141,8 @@ class BatchLevel(Level):
             with autograd_on():
                 out, out_dims = self._apply(rule, func, phys, dims, kwargs)
         else:
-            out, out_dims = self._apply(rule, func, phys, dims, kwargs)
+            with lazy_bits_on():
+                out, out_dims = self._apply(rule, func, phys, dims, kwargs)
         return wrap_outputs(cls, func, rule.inplace, args, out, out_dims)
 
     def _apply(self, rule, func, phys, dims, kwargs):
