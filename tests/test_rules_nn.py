@@ -670,6 +670,81 @@ def test_pointwise_losses(reduction, xb, tb):
           in_dims=(xd, td))
 
 
+ELEMENTWISE_LOSSES = {
+    "mse": F.mse_loss,
+    "huber": lambda x, t, reduction: F.huber_loss(x, t, reduction=reduction, delta=0.7),
+    "smooth_l1": lambda x, t, reduction: F.smooth_l1_loss(x, t, reduction=reduction, beta=0.3),
+    "soft_margin": lambda x, t, reduction: F.soft_margin_loss(x, t.sign(), reduction=reduction),
+}
+
+
+@pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
+@pytest.mark.parametrize("name", list(ELEMENTWISE_LOSSES))
+@pytest.mark.parametrize("shape, dims", [((B, 4, 5), (0, 0)), ((5, B), (1, None)),
+                                         ((4, 5), (None, 0)), ((B,), (0, 0))])
+def test_elementwise_losses(name, reduction, shape, dims):
+    """Each has its own rule (before, the decompositions); float64 against both."""
+    f = ELEMENTWISE_LOSSES[name]
+    x, t = torch.randn(shape, dtype=torch.float64), torch.randn(shape, dtype=torch.float64)
+    if dims[1] is None:
+        t = t.select(1, 0)
+    if dims[0] is None:
+        x, t = x[0], torch.randn(B, *shape, dtype=torch.float64)
+    if name == "soft_margin" and dims[0] is None:  # its input does not broadcast: an error
+        with pytest.raises(RuntimeError, match="doesn't match the broadcast shape"):
+            f(x, t[0], reduction=reduction)
+        with pytest.raises(RuntimeError, match="doesn't match the broadcast shape"):
+            vmap(lambda x, t: f(x, t, reduction=reduction), in_dims=dims)(x, t)
+        return
+    check(lambda x, t: f(x, t, reduction=reduction), x, t, in_dims=dims)
+    loss = lambda x, t: f(x, t, reduction="mean")
+    if dims[0] is not None:
+        got = vmap_without_slow_loop(grad(loss), x, t, in_dims=dims)
+        torch.testing.assert_close(got, torch.func.vmap(torch.func.grad(loss), dims)(x, t))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("name", ["mse", "huber", "smooth_l1"])
+def test_16_bit_losses_round_as_the_op_does(name, reduction, dtype):
+    """The op computes each term in float32 and rounds once; its decomposition rounded
+    every step, one ulp off the loop in 16-bit floats. Bit for bit with the loop (few
+    elements: the kernels' vectorised and scalar paths agree on these)."""
+    f = ELEMENTWISE_LOSSES[name]
+    torch.manual_seed(0)
+    for shape in [(8,), (8, 5)]:
+        x, t = (torch.randn(shape) * 30).to(dtype), (torch.randn(shape) * 30).to(dtype)
+        loss = lambda x, t: f(x, t, reduction=reduction)
+        ours = vmap_without_slow_loop(loss, x, t, in_dims=(0, 0))
+        assert torch.equal(ours, torch.stack([loss(a, b) for a, b in zip(x, t)]))
+        assert torch.equal(ours, torch.func.vmap(loss)(x, t))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_batched_scalar_keeps_its_dtype(dtype):
+    """A batched 0-dim tensor promotes as a scalar would: to the inputs' result dtype, not
+    the float32 the kernel computes 16-bit floats in (which the result used to take)."""
+    x, m = torch.randn(B, dtype=dtype), torch.tensor(True)
+    v = torch.randn(4, dtype=dtype)
+    for f in (lambda a: torch.masked_fill(a, m, 10), lambda a: a * v,
+              lambda w: F.prelu(torch.tensor(1.0, dtype=dtype), w),
+              lambda a: F.cosine_similarity(a, a.exp(), dim=0)):
+        ours = check(f, x)
+        assert ours.dtype == dtype
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_in_place_op_on_batched_scalar_keeps_its_dtype(dtype):
+    """``self`` of an in-place op is written: it is never cast (a float32 one plus a
+    float64 scalar raised "Double did not match Float")."""
+    def f(a):
+        out = a.clone()
+        out.add_(torch.tensor(0.1, dtype=torch.float64)).clamp_min_(torch.tensor(0.0))
+        return out
+
+    assert check(f, torch.randn(B, dtype=dtype)).dtype == dtype
+
+
 @pytest.mark.parametrize("reduction", [0, 1, 2])
 def test_loss_backward_decompositions(reduction):
     x, t = torch.randn(B, 4, 5).log_softmax(-1), torch.randint(0, 5, (B, 4))

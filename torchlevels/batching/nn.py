@@ -5,9 +5,9 @@ Most of these ops already take a leading N (batch) dim, so the vmap batch folds 
 unfolds. A batched weight is handled by moving the batch into the channel dim and using
 groups (convolution) or per-channel statistics (batch norm), as functorch does.
 
-Declared nothing for (their ``torch._decomp`` decompositions batch with no loop):
-mse_loss, binary_cross_entropy(_with_logits) and their backwards, and the backwards of
-layer, group and batch norm.
+Declared nothing for (their ``torch._decomp`` decompositions batch with no loop): the
+backwards of mse_loss, binary_cross_entropy(_with_logits), and of layer, group and batch
+norm.
 """
 
 from __future__ import annotations
@@ -15,9 +15,20 @@ from __future__ import annotations
 import torch
 
 from torchlevels._level import autograd_records
-from torchlevels.batching.dims import logical_rank, logical_shape, materialize, to_front
+from torchlevels.batching.dims import (
+    logical_rank,
+    logical_shape,
+    materialize,
+    pad_to_rank,
+    to_front,
+)
 from torchlevels.batching.max_pool import max_pool
-from torchlevels.batching.registry import batch_size, register, skip_decomposition
+from torchlevels.batching.registry import (
+    batch_size,
+    bound_arguments,
+    register,
+    skip_decomposition,
+)
 
 aten = torch.ops.aten
 
@@ -521,6 +532,30 @@ def ctc_loss_backward(func, args, dims, kwargs):
                             for a, d in zip((args[0], *args[5:7]), (dims[0], *dims[5:7])))
     out = func(grad, *folded, nll, log_alpha, *args[7:], **kwargs)  # [T, B*N, C]
     return out.unflatten(1, (size, n)), 1
+
+
+@register(aten.mse_loss.default, aten.huber_loss.default, aten.smooth_l1_loss.default,
+          aten.soft_margin_loss.default, aten.binary_cross_entropy.default,
+          aten.binary_cross_entropy_with_logits.default)
+def elementwise_loss(func, args, dims, kwargs):
+    """A loss whose terms are elementwise, then their mean or sum: the terms natively on
+    the broadcast batch (reduction "none"), then each example's mean or sum. The kernel
+    rounds each term once (computing in float32 for 16-bit inputs), as the op does for
+    one example; the decompositions round every step."""
+    bound = bound_arguments(func, args, kwargs)
+    reduction = bound.pop("reduction")
+    names = [a.name for a in func._schema.arguments]
+    in_dims = {names[i]: d for i, d in enumerate(dims)}
+    tensors = [n for n, v in bound.items() if isinstance(v, torch.Tensor)]
+    size = batch_size(args, dims)
+    rank = max(logical_rank(bound[n], in_dims.get(n)) for n in tensors)
+    for n in tensors:  # each [B, *shape], with the op's own broadcasting (or refusal)
+        bound[n] = pad_to_rank(materialize(bound[n], in_dims.get(n), size), rank)
+    loss = func(**bound, reduction=0)
+    if reduction == 0:
+        return loss, 0
+    rows = loss.flatten(1) if loss.dim() > 1 else loss.unsqueeze(1)
+    return (rows.mean(1) if reduction == 1 else rows.sum(1)), 0
 
 
 # -- elementwise backward ops ----------------------------------------------------------------

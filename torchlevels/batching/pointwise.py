@@ -50,7 +50,7 @@ def pointwise_rule(func, args, dims, kwargs):
         return _broadcasting(func, args, kwargs), 0
     phys = [pad_to_rank(to_front(a, d), rank) if d is not None else a for a, d in zip(args, dims)]
     if promote:
-        phys = _promote_batched_scalars(phys, args, dims)
+        phys = _promote_batched_scalars(func, phys, args, dims)
     return _broadcasting(func, phys, kwargs), 0
 
 
@@ -76,11 +76,13 @@ def _broadcast(args) -> list:
     return [next(tensors) if isinstance(a, torch.Tensor) else a for a in args]
 
 
-def _promote_batched_scalars(phys, args, dims):
-    """Cast batched 0-dim tensors to the dtype the unbatched op would compute in.
+def _promote_batched_scalars(func, phys, args, dims):
+    """Cast batched 0-dim tensors to the dtype the unbatched op's inputs promote to.
 
     Physically a batched 0-dim tensor has a dim, so it would take part in type promotion
-    as a dimensioned tensor (float64 "scalar" + float32 vector giving float64).
+    as a dimensioned tensor (float64 "scalar" + float32 vector giving float64). The
+    result dtype, not the computation dtype (float32 for bfloat16 inputs): the kernel
+    computes in that itself. An in-place op's ``self`` keeps its dtype: it is written.
     """
     logical = [
         torch.empty(a.shape[:d] + a.shape[d + 1 :], dtype=a.dtype, device="meta")
@@ -88,10 +90,12 @@ def _promote_batched_scalars(phys, args, dims):
         for a, d in zip(args, dims)
         if isinstance(a, torch.Tensor)
     ]
-    dtype, _ = elementwise_dtypes(*logical, type_promotion_kind=DEFAULT_PROMOTION)
+    _, dtype = elementwise_dtypes(*logical, type_promotion_kind=DEFAULT_PROMOTION)
+    written = writes_first_argument(func)
     return [
-        p.to(dtype) if d is not None and a.dim() == 1 and _same_category(p.dtype, dtype) else p
-        for p, a, d in zip(phys, args, dims)
+        p.to(dtype) if (d is not None and a.dim() == 1 and _same_category(p.dtype, dtype)
+                        and not (written and k == 0)) else p
+        for k, (p, a, d) in enumerate(zip(phys, args, dims))
     ]
 
 

@@ -16,7 +16,7 @@ from torchlevels._torch_compile import compiling, tracing_user_code
 from torchlevels.batching.dims import logical_shape, to_front
 from torchlevels.batching.pointwise import pointwise_rule
 from torchlevels.batching.predispatch import intercept, passed_by
-from torchlevels.batching.registry import register, writes_first_argument
+from torchlevels.batching.registry import bound_arguments, register, writes_first_argument
 
 aten = torch.ops.aten
 
@@ -100,7 +100,7 @@ def _rrelu(level, func, args, dims, kwargs):
     non-positive element of ``self`` times a slope drawn from U(lower, upper), and the
     slopes (1 for the other elements) written to ``noise``; in eval mode, leaky_relu with
     the mean slope, ``noise`` untouched."""
-    p = _bound(func, args, kwargs)
+    p = bound_arguments(func, args, kwargs)
     self, noise, lower, upper = p["self"], p["noise"], p["lower"], p["upper"]
     self_dim, noise_dim = dims[0], dims[1]
     out_dim = None if self_dim is None else 0
@@ -139,15 +139,6 @@ def _rrelu(level, func, args, dims, kwargs):
             _raise_different_inplace(func)
         return x.copy_(out), out_dim
     return out, out_dim
-
-
-def _bound(func, args, kwargs) -> dict:
-    """``func``'s arguments by name, defaults filled in."""
-    schema = func._schema.arguments
-    bound = {a.name: a.default_value for a in schema if a.has_default_value()}
-    bound.update(zip((a.name for a in schema), args))
-    bound.update(kwargs)
-    return bound
 
 
 def _multinomial(func, args, dims, kwargs):
@@ -202,7 +193,7 @@ def _draws_nothing(op, args, kwargs) -> bool:
     if packet in _DROPOUTS or op is aten.native_dropout.default:
         return not args[2] or (packet in _DROPOUTS and args[1] in (0, 1))
     if packet in _RRELU or packet in _RRELU_COMPOSITE:
-        return not _bound(op, args, kwargs)["training"]
+        return not bound_arguments(op, args, kwargs)["training"]
     return False
 
 

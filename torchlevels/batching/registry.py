@@ -234,6 +234,15 @@ def gradient_flags(func: OpOverload) -> tuple[tuple[int, int], ...]:
     return tuple((i, names.index(arg)) for i, arg in flagged if arg in names)
 
 
+def bound_arguments(func: OpOverload, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """``func``'s arguments by name, with its defaults for those not given."""
+    schema = func._schema.arguments
+    bound = {a.name: a.default_value for a in schema if a.has_default_value()}
+    bound.update(zip((a.name for a in schema), args))
+    bound.update(kwargs)
+    return bound
+
+
 def _signature(func: OpOverload) -> list[tuple[str, str]]:
     return [(a.name, str(a.type)) for a in func._schema.arguments]
 
