@@ -148,6 +148,14 @@ def test_addr(dims, scale):
     check(lambda s, u, v: torch.addr(s, u, v, **scale), s, u, v, in_dims=dims)
 
 
+@pytest.mark.parametrize("dims", dim_combos((2, 1, 1)))
+@pytest.mark.parametrize("beta, alpha", [(True, True), (False, True), (True, False)])
+def test_boolean_addr(dims, beta, alpha):
+    """``(beta and s) or (alpha and outer(u, v))`` (before: no rule)."""
+    s, u, v = (batched(shape, d) > 0 for shape, d in zip(((4, 5), (4,), (5,)), dims))
+    check(lambda s, u, v: torch.addr(s, u, v, beta=beta, alpha=alpha), s, u, v, in_dims=dims)
+
+
 # -- composites that reach vmap as the ops above -------------------------------------------
 
 MATMUL_SHAPES = [

@@ -214,16 +214,17 @@ def addr(func, args, dims, kwargs):
     s, v1, v2 = args
     ds, d1, d2 = dims
     _check_ranks(func, args, dims, ((0, 1, 2), (1,), (1,)))
-    if s.dtype == torch.bool:
-        raise NotImplementedError("vmap: addr of boolean tensors has no batching rule")
     beta, alpha = kwargs.get("beta", 1), kwargs.get("alpha", 1)
     s = pad_to_rank(to_front(s, ds), 2) if ds is not None else s
+    col = to_front(v1, d1).unsqueeze(-1)  # (B, n, 1) or (n, 1)
+    row = to_front(v2, d2).unsqueeze(-2)  # (B, 1, m) or (1, m)
+    if s.dtype == col.dtype == row.dtype == torch.bool:  # (beta and s) or (alpha and v1 v2^T)
+        outer = col & row
+        return (outer if alpha else outer & False) | (s if beta else s & False), 0
     if beta == 0:
         s = torch.zeros_like(s)
     elif beta != 1:
         s = s * beta
-    col = to_front(v1, d1).unsqueeze(-1)  # (B, n, 1) or (n, 1)
-    row = to_front(v2, d2).unsqueeze(-2)  # (B, 1, m) or (1, m)
     return torch.addcmul(s, col, row, value=alpha), 0
 
 
