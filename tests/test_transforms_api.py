@@ -1216,6 +1216,26 @@ def _hooked_slope(v):
     return (slope * v.data).sum() + (v * 2).detach_().sum()
 
 
+@pytest.mark.parametrize("f", [lambda t: t.abs().abs(), lambda t: t.sign() * t.abs()],
+                         ids=["abs of abs", "sign times abs"])
+def test_autograd_on_top_of_zero_second_derivatives(f):
+    """A backward formula's ZeroTensor (``sgn``'s) times a level's tensor went past the
+    level (PyTorch's ZeroTensor kernels sit above the Python key), leaving the level's
+    tensors in the history of a plain result: autograd on top of ``vmap(grad(grad))``
+    then hit them after vmap exited. Found by the property tests."""
+    def run(lib):
+        x = torch.tensor([[1.2328], [-0.5]], dtype=torch.float64).requires_grad_()
+        c = torch.tensor([0.3], dtype=torch.float64).requires_grad_()
+        inner = lambda r: f(r * c.cos()).sum()
+        out = lib.vmap(lib.grad(lambda s: lib.grad(inner)(s).sum()))(x)
+        grads = torch.autograd.grad(out.sum(), (x, c), allow_unused=True)
+        # torch.func's results are ZeroTensors, which cannot be read: add them to zeros
+        return [None if t is None else torch.zeros(t.shape, dtype=t.dtype) + t
+                for t in (out, *grads)]
+
+    assert_tree_close(run(tl), run(tf))
+
+
 @pytest.mark.parametrize("name", ["vmap(grad)", "jvp", "jacrev", "hessian",
                                   "vmap(grad) with hooks"])
 def test_memory_flat_over_repeated_autodiff_calls(name):

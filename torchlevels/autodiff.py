@@ -387,6 +387,20 @@ def _resolve_lazy_bits(out: Any) -> Any:
     return out
 
 
+def _real_zeros_in_backward(op, args: tuple, kwargs: dict) -> torch.Tensor:
+    """A ZeroTensor that a backward formula makes (``sgn``'s) while a level is live, as
+    real zeros. PyTorch's ZeroTensor kernels run above the Python key: a product of a
+    ZeroTensor and a level's tensor would be a plain tensor the level never saw, with
+    autograd's record of the op on the level's tensors as its history, and the level's
+    tensors would escape in it (``vmap(grad(grad(f)))`` with autograd on top)."""
+    if torch._C._current_autograd_node() is None:  # forward AD's zero tangents stay
+        return predispatch.passed_by(op, args, kwargs)
+    return torch.zeros(*args, **{k: v for k, v in kwargs.items() if v is not None})
+
+
+predispatch.intercept(torch.ops.aten._efficientzerotensor.default, _real_zeros_in_backward)
+
+
 class JvpLevel(Level):
     """One jvp invocation: each of its tensors carries a primal and a tangent."""
 
