@@ -500,3 +500,31 @@ def test_an_empty_batch_through_the_slow_loop():
         assert out.shape == (0, 4, 2) and out_dims == 0
         with pytest.raises(RuntimeError, match="no meta kernel"):
             vmap(lambda v: torch.histogram(v, 3).hist)(torch.randn(0, 4))
+
+
+AUTOCAST = {  # autocast casts the batched tensors, above the level; the rules see bf16
+    "linear": lambda a, w, k: F.linear(a, w),
+    "matmul": lambda a, w, k: a @ w.T,
+    "conv1d": lambda a, w, k: F.conv1d(a, k),
+    "conv2d of one image": lambda a, w, k: F.conv2d(a[None, None], k[:, :1, None]),
+    "softmax of a product": lambda a, w, k: (a @ w.T).softmax(-1),
+    "layer_norm of a product": lambda a, w, k: F.layer_norm(a @ w.T, (5,)),
+}
+
+
+@pytest.mark.parametrize("name", list(AUTOCAST))
+def test_under_autocast_as_a_loop(name):
+    """Dtypes and values as a loop under ``torch.autocast`` (torch.func's convolutions
+    return float32 there), and per-example gradients as torch.func's."""
+    f = functools.partial(AUTOCAST[name], w=torch.randn(5, 8), k=torch.randn(2, 3, 3))
+    x = torch.randn(4, 3, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ours = vmap(f)(x)
+        loop = torch.stack([f(a) for a in x])
+        grads = vmap(torchlevels.grad(lambda a: f(a).float().sum()))(x)
+        theirs = func_vmap(torch.func.grad(lambda a: f(a).float().sum()))(x)
+    assert ours.dtype == loop.dtype == torch.bfloat16
+    assert torch.equal(ours, loop)
+    # to bfloat16's precision: layer norm's backward runs as its decomposition, which
+    # rounds each step to bfloat16 where the kernel rounds once
+    assert_close(grads, theirs, rtol=1.6e-2, atol=2e-2)
