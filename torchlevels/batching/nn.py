@@ -539,7 +539,7 @@ def ctc_loss_backward(func, args, dims, kwargs):
           aten.binary_cross_entropy_with_logits.default)
 def elementwise_loss(func, args, dims, kwargs):
     """A loss whose terms are elementwise, then their mean or sum: the terms natively on
-    the broadcast batch (reduction "none"), then each example's mean or sum. The kernel
+    the batch (reduction "none"), then each example's mean or sum. The kernel
     rounds each term once (computing in float32 for 16-bit inputs), as the op does for
     one example; the decompositions round every step."""
     bound = bound_arguments(func, args, kwargs)

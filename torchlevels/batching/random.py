@@ -103,6 +103,7 @@ def _rrelu(level, func, args, dims, kwargs):
     p = bound_arguments(func, args, kwargs)
     self, noise, lower, upper = p["self"], p["noise"], p["lower"], p["upper"]
     self_dim, noise_dim = dims[0], dims[1]
+    inplace = writes_first_argument(func)
     out_dim = None if self_dim is None else 0
     x = to_front(self, self_dim)
     if not p["training"]:
@@ -111,7 +112,7 @@ def _rrelu(level, func, args, dims, kwargs):
         raise RuntimeError(f"{ERROR} (got {func})")
     elif level.randomness == "different":  # the kernel on the batch: a slope per element
         if self_dim is None:
-            if writes_first_argument(func):
+            if inplace:
                 _raise_different_inplace(func)
             x, out_dim = x.expand(level.batch_size, *x.shape), 0
         slopes = torch.empty_like(x)
@@ -134,9 +135,7 @@ def _rrelu(level, func, args, dims, kwargs):
                 "torch.empty_like of the batched input), or call F.rrelu."
             )
         to_front(noise, noise_dim).copy_(slopes)
-    if writes_first_argument(func):
-        if self_dim is None and out_dim is not None:
-            _raise_different_inplace(func)
+    if inplace:  # self is batched whenever out is (an unbatched one raised above)
         return x.copy_(out), out_dim
     return out, out_dim
 
