@@ -600,21 +600,48 @@ def _layer_norm_loss(x, w, b):
     return (torch.nn.functional.layer_norm(x, (N,), w, b, eps=0.1) * x.sin()).sum()
 
 
+def _group_norm_loss(x, w, b):
+    return (torch.nn.functional.group_norm(x.T[None], 2, w, b, eps=0.1) * x.T.sin()).sum()
+
+
 # layer_norm's backward, batched by vmap inside jacrev, read the saved mean and rstd as
 # constants, so a grad or jvp level outside lost their share of the second derivative.
 # torch.func is wrong too, in the weight-input block; the reference is plain autograd
 @pytest.mark.parametrize("transform", ["hessian", "jacrev(jacrev)", "jacfwd(jacrev)"])
-def test_hessian_through_layer_norm(transform):
+@pytest.mark.parametrize("loss", [_layer_norm_loss, _group_norm_loss])
+def test_hessian_through_norms(transform, loss):
     gen = torch.Generator().manual_seed(0)
     args = (torch.randn(3, N, dtype=DTYPE, generator=gen),
             torch.randn(N, dtype=DTYPE, generator=gen), torch.randn(N, dtype=DTYPE, generator=gen))
     argnums = (0, 1, 2)
     if transform == "hessian":
-        h = tl.hessian(_layer_norm_loss, argnums)
+        h = tl.hessian(loss, argnums)
     else:
         outer, inner = transform.rstrip(")").split("(")
-        h = getattr(tl, outer)(getattr(tl, inner)(_layer_norm_loss, argnums), argnums)
-    torch.testing.assert_close(h(*args), torch.autograd.functional.hessian(_layer_norm_loss, args))
+        h = getattr(tl, outer)(getattr(tl, inner)(loss, argnums), argnums)
+    torch.testing.assert_close(h(*args), torch.autograd.functional.hessian(loss, args))
+
+
+@pytest.mark.parametrize("loss", [_layer_norm_loss, _group_norm_loss])
+def test_autograd_through_per_example_norm_gradients(loss):
+    # the per-example weight gradients read statistics that autograd outside sees depend
+    # on the input (a gradient penalty on per-example gradients)
+    gen = torch.Generator().manual_seed(2)
+    xs = torch.randn(5, 3, N, dtype=DTYPE, generator=gen)
+    w, b = torch.randn(N, dtype=DTYPE, generator=gen), torch.randn(N, dtype=DTYPE, generator=gen)
+
+    def penalty(lib, xs, w):
+        g = lib.vmap(lib.grad(loss, argnums=(0, 1)), in_dims=(0, None, None))(xs, w, b)
+        return g[0].square().sum() + g[1].square().sum()
+
+    args = (xs.clone().requires_grad_(), w.clone().requires_grad_())
+    got = torch.autograd.grad(penalty(tl, *args), args)
+    loop = [xs.clone().requires_grad_(), w.clone().requires_grad_()]
+    rows = [torch.autograd.grad(loss(x, loop[1], b), (x, loop[1]), create_graph=True)
+            for x in loop[0].unbind()]
+    reference = torch.autograd.grad(sum(gx.square().sum() + gw.square().sum()
+                                        for gx, gw in rows), loop)
+    torch.testing.assert_close(got, reference)
 
 
 def test_per_task_second_order_step_through_layer_norm():

@@ -504,19 +504,33 @@ def test_norm_modules():
             check(module, x)
 
 
-# the backward ops of the norms are declared nothing: their decompositions batch well
-@pytest.mark.parametrize("batched_args", [(0, 1), (0,), (0, 1, 2)])
-def test_norm_backward_decompositions(batched_args):
+# the backwards of the norms: own rules (the gradients of a weight and a bias are
+# per example; a batched weight scales the output gradient first)
+@pytest.mark.parametrize("batched_args", [(0, 1), (0,), (1,), (0, 1, 2), (2,)])
+@pytest.mark.parametrize("mask", [(True, True, True), (True, False, False), (False, True, True)])
+def test_norm_backward_rules(batched_args, mask):
     x, w, b = torch.randn(2, 4, 3, 3), torch.randn(4), torch.randn(4)
     go = torch.randn_like(x)
     args, dims = [go, x, w], [None, None, None]
     for i in batched_args:
         args[i], dims[i] = maybe(args[i], True)
-    mask = [True, True, True]
+    mask = list(mask)
 
     def layer(go, x, w):
         _, mean, rstd = aten.native_layer_norm(x, [3], None, None, 1e-5)
         return aten.native_layer_norm_backward(go, x, [3], mean, rstd, w[:3], b[:3], mask)
+
+    def layer_2d(go, x, w):  # normalized over two dims, no bias
+        _, mean, rstd = aten.native_layer_norm(x, [3, 3], None, None, 1e-5)
+        w2 = w[:3, None] * w[1:]
+        return aten.native_layer_norm_backward(go, x, [3, 3], mean, rstd, w2, None,
+                                               mask[:2] + [False])
+
+    def layer_all(go, x, w):  # normalized over every dim: no rows to sum over
+        _, mean, rstd = aten.native_layer_norm(x, [2, 4, 3, 3], None, None, 1e-5)
+        w4 = (w[:, None, None] * x.new_ones(2, 4, 3, 3)).sin()
+        return aten.native_layer_norm_backward(go, x, [2, 4, 3, 3], mean, rstd, w4, w4.cos(),
+                                               mask)
 
     def group(go, x, w):
         _, mean, rstd = aten.native_group_norm(x, w, b, 2, 4, 9, 2, 1e-5)
@@ -527,8 +541,34 @@ def test_norm_backward_decompositions(batched_args):
         return aten.native_batch_norm_backward(go, x, w, None, None, mean, invstd, True,
                                                1e-5, mask)
 
-    for f in (layer, group, batch):
-        check(f, *args, in_dims=tuple(dims), atol=1e-4)
+    for f in (layer, layer_2d, layer_all, group, batch):  # the gradients asked for
+        check(lambda *a, f=f: tuple(g for g in f(*a) if g is not None), *args,
+              in_dims=tuple(dims), atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("norm", ["layer", "group"])
+def test_per_example_norm_gradients_in_16_bit(dtype, norm):
+    # the input's gradient is the kernel's on each example's rows, bit for bit; the
+    # weight's is summed in float32, where the CPU kernel accumulates in the 16-bit type
+    gen = torch.Generator().manual_seed(0)
+    xs = torch.randn(4, 6, 5, generator=gen).to(dtype)
+    w, b = (torch.randn(6, generator=gen).to(dtype) for _ in range(2))
+    if norm == "layer":
+        def loss(x, w, b):
+            return F.layer_norm(x, (5,), w[:5], b[:5]).square().sum()
+    else:
+        def loss(x, w, b):
+            return F.group_norm(x.unsqueeze(0), 3, w, b).square().sum()
+    got = vmap(grad(loss, argnums=(0, 1, 2)), in_dims=(0, None, None))(xs, w, b)
+    rows = [torch.autograd.grad(loss(x, w_, b_), (x, w_, b_)) for x, w_, b_ in
+            ((x.requires_grad_(), w.clone().requires_grad_(), b.clone().requires_grad_())
+             for x in xs.clone().unbind())]
+    expected = [torch.stack(t) for t in zip(*rows)]
+    assert torch.equal(got[0], expected[0])
+    for g, e in zip(got[1:], expected[1:]):
+        assert g.dtype == e.dtype
+        torch.testing.assert_close(g, e)
 
 
 # -- losses -------------------------------------------------------------------------------

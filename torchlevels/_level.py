@@ -62,6 +62,7 @@ class Level:
     """
 
     kind = "level"
+    differentiates = False  # whether the level takes derivatives of the ops run on its tensors
 
     def __init__(self) -> None:
         self.alive = True
@@ -273,6 +274,19 @@ def tracked_outside(t: Any) -> bool:
     A meta tensor never is: PyTorch makes meta copies only to learn an output's shape
     (adding a ZeroTensor tangent under forward AD)."""
     return requires_grad_flag(t) and not t.is_meta and not getattr(t, _LEVEL_GRAPH, False)
+
+
+def differentiated(*tensors: Any) -> bool:
+    """Whether autograd, or a grad or jvp level, may take derivatives of an op run on
+    ``tensors`` (tensors of enclosing levels, or plain ones that require grad)."""
+    for t in tensors:
+        while isinstance(t, LevelTensor):
+            if t._level.differentiates:
+                return True
+            t = t._inner
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            return True
+    return False
 
 
 def set_logical_meta(tensor: LevelTensor, shape, strides, storage_offset: int = 0) -> None:

@@ -127,6 +127,7 @@ class GradLevel(Level):
     """One grad/vjp invocation: tracks ops on its tensors with PyTorch autograd."""
 
     kind = "grad"
+    differentiates = True
 
     def __init__(self, name: str = "grad") -> None:
         super().__init__()
@@ -405,6 +406,7 @@ class JvpLevel(Level):
     """One jvp invocation: each of its tensors carries a primal and a tangent."""
 
     kind = "jvp"
+    differentiates = True
 
     def wrap(self, cls, primal: torch.Tensor, tangent: torch.Tensor) -> torch.Tensor:
         """``J(primal, tangent)``: a tensor of this level."""

@@ -6,15 +6,17 @@ unfolds. A batched weight is handled by moving the batch into the channel dim an
 groups (convolution) or per-channel statistics (batch norm), as functorch does.
 
 Declared nothing for (their ``torch._decomp`` decompositions batch with no loop): the
-backwards of mse_loss, binary_cross_entropy(_with_logits), and of layer, group and batch
-norm.
+backwards of mse_loss and binary_cross_entropy(_with_logits). The norms' backwards have
+rules, although theirs batch too: they round every step in 16-bit floats, and run as a
+dozen ops where the rule runs the kernel once.
 """
 
 from __future__ import annotations
 
 import torch
+from torch._decomp.decompositions_for_jvp import recompute_mean_var
 
-from torchlevels._level import autograd_records
+from torchlevels._level import autograd_records, differentiated
 from torchlevels.batching.dims import (
     logical_rank,
     logical_shape,
@@ -403,6 +405,82 @@ def batch_norm_backward(func, args, dims, kwargs):
     gi = None if gi is None else gi.unflatten(1, (size, -1))
     gw, gb = (None if g is None else g.view(size, -1) for g in (gw, gb))
     return (gi, gw, gb), tuple(None if g is None else d for g, d in zip((gi, gw, gb), (1, 0, 0)))
+
+
+def _opmath(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a CPU norm kernel computes in: float32 for 16-bit floats."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def _sum_over(t: torch.Tensor, dims: list[int]) -> torch.Tensor:
+    return t.sum(dims) if dims else t  # sum(()) would sum everything
+
+
+@register(aten.native_layer_norm_backward.default)
+def native_layer_norm_backward(func, args, dims, kwargs):
+    """The input's gradient natively on the batch: rows are independent, and an unbatched
+    weight goes into the kernel, so every row is computed as for one example (bit for bit
+    in 16-bit floats). The weight's and bias's gradients are sums over each example's rows,
+    in the kernel's float32 for 16-bit inputs. Where autograd or a grad or jvp level
+    outside differentiates, they read mean and rstd recomputed from the input, as
+    PyTorch's forward-AD decomposition does: the saved ones are constants to it."""
+    go, x, shape, mean, rstd, w, b, mask = args
+    size = batch_size(args, dims)
+    go, x, mean, rstd = (materialize(t, d, size).contiguous() for t, d in
+                         zip((go, x, mean, rstd), (dims[0], dims[1], dims[3], dims[4])))
+    axis = x.dim() - len(shape)
+    rows = list(range(1, axis))  # one example's rows
+    gi = gw = gb = None
+    if mask[0]:
+        if dims[5] is None:
+            gi = func(go, x, shape, mean, rstd, w, None, [True, False, False])[0]
+        else:
+            w_rows = to_front(w, dims[5]).reshape(size, *(1,) * (axis - 1), *shape)
+            gi = func(go * w_rows, x, shape, mean, rstd, None, None, [True, False, False])[0]
+    compute = _opmath(x.dtype)
+    if mask[1] and w is not None:
+        if differentiated(go, x, mean, rstd):
+            mean, rstd = recompute_mean_var(x, rstd, list(range(axis, x.dim())), keepdim=True)
+        x_hat = (x.to(compute) - mean.to(compute)) * rstd.to(compute)
+        gw = _sum_over(go.to(compute) * x_hat, rows).to(w.dtype)
+    if mask[2] and b is not None:
+        gb = _sum_over(go.to(compute), rows).to(b.dtype)
+    return (gi, gw, gb), tuple(None if g is None else 0 for g in (gi, gw, gb))
+
+
+@register(aten.native_group_norm_backward.default)
+def native_group_norm_backward(func, args, dims, kwargs):
+    """The input's gradient with the batch folded into N, an unbatched weight inside the
+    kernel (so every example is computed as alone, bit for bit in 16-bit floats); the
+    weight's and bias's gradients summed per example as :func:`native_layer_norm_backward`
+    does, from recomputed statistics where something outside differentiates."""
+    go, x, mean, rstd, w, n, c, hxw, group, mask = args
+    size = batch_size(args, dims)
+    go, x, mean, rstd = (materialize(t, d, size).contiguous() for t, d in
+                         zip((go, x, mean, rstd), (dims[0], dims[1], dims[2], dims[3])))
+    gi = gw = gb = None
+    if mask[0]:
+        weight = w
+        if dims[4] is not None:
+            go_w = go * _channel_view(to_front(w, dims[4]), 1, go.dim() - 3)
+            weight = None
+        else:
+            go_w = go
+        gi = func(go_w.flatten(0, 1), x.flatten(0, 1), mean.flatten(0, 1), rstd.flatten(0, 1),
+                  weight, size * n, c, hxw, group, [True, False, False])[0].unflatten(0, (size, n))
+    compute = _opmath(x.dtype)
+    groups = (size, n, group, c // group, hxw)
+    if mask[1] and w is not None:
+        x_groups = x.reshape(groups)
+        if differentiated(go, x, mean, rstd):
+            mean, rstd = recompute_mean_var(x_groups, rstd.reshape(*groups[:3], 1, 1), [3, 4],
+                                            keepdim=True)
+        x_hat = ((x_groups.to(compute) - mean.reshape(*groups[:3], 1, 1).to(compute))
+                 * rstd.reshape(*groups[:3], 1, 1).to(compute))
+        gw = (go.reshape(groups).to(compute) * x_hat).sum((1, 4)).reshape(size, c).to(w.dtype)
+    if mask[2]:
+        gb = go.reshape(size, n, c, hxw).to(compute).sum((1, 3)).to((x if w is None else w).dtype)
+    return (gi, gw, gb), tuple(None if g is None else 0 for g in (gi, gw, gb))
 
 
 # -- losses -------------------------------------------------------------------------------
