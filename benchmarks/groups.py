@@ -447,6 +447,26 @@ def cnn_grad_group() -> list[Benchmark]:
     return [benchmark]
 
 
+def norm_grad_group() -> list[Benchmark]:
+    """(e') per-sample gradients of models with layer norm and group norm."""
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.LayerNorm(32), nn.Linear(32, 64), nn.GELU(), nn.LayerNorm(64),
+                        nn.Flatten(), nn.Linear(8 * 64, 10))
+    x, y = torch.randn(64, 8, 32), torch.randint(0, 10, (64,))
+    cnn = nn.Sequential(
+        nn.Conv2d(1, 16, 3), nn.GroupNorm(4, 16), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, 3), nn.GroupNorm(8, 32), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Linear(32 * 5 * 5, 10),
+    )
+    images, labels = torch.randn(32, 1, 28, 28), torch.randint(0, 10, (32,))
+    return [
+        _per_sample_benchmark("per-sample grads, layer-norm MLP on (8, 32), batch 64",
+                              mlp, x, y),
+        _per_sample_benchmark("per-sample grads, group-norm CNN, batch 32", cnn, images,
+                              labels),
+    ]
+
+
 HESSIAN = "vmap(hessian(f)), 32-dim, batch 16"
 
 
@@ -766,6 +786,16 @@ GROUPS: dict[str, Group] = {
         "maxpool 2, flatten, linear 800->10), batch 32 of (1, 28, 28). References: the "
         "Python loop and Opacus. Target: ratio <= 1.2.",
         cnn_grad_group,
+    ),
+    "norm_grad": Group(
+        "Norm per-sample gradients",
+        "Per-sample gradients, as for the MLP, of (1) LayerNorm(32), linear 32->64, GELU, "
+        "LayerNorm(64), flatten, linear 512->10 on examples of shape (8, 32), batch 64, "
+        "and (2) the CNN of the CNN forward group with a GroupNorm after each conv "
+        "(4 and 8 groups), batch 32. The norms' backwards have batching rules of their own "
+        "(torchlevels/batching/nn.py). References: the Python loop and Opacus. "
+        "Target: ratio <= 1.2.",
+        norm_grad_group,
     ),
     "hessian": Group(
         "Batched Hessians",
