@@ -130,8 +130,46 @@ CASES = {
                                     True),
     "unsqueeze(-3) at the front": (lambda x: x.unsqueeze(-3), (torch.randn(4, 2, 3),), 0, True),
     "unsqueeze of a 0-dim example": (lambda x: x.unsqueeze(0), (torch.randn(4),), 0, True),
+    "view(-1, 3)": (lambda x: x.view(-1, 3), (torch.randn(4, 2, 3, 5),), 0, True),
+    "view(torch.Size)": (lambda x: x.view(torch.Size([6, 5])), (torch.randn(4, 2, 3, 5),), 0,
+                         True),
+    "reshape of a transposed example": (lambda x: x.t().reshape(10), (torch.randn(4, 2, 5),),
+                                        0, True),
+    "torch.reshape(x, [5, -1])": (lambda x: torch.reshape(x, [5, -1]), (x4,), 0, True),
+    "view as a dtype": (lambda x: x.view(torch.int32), (x4,), 0, False),
+    "view of no examples": (lambda x: x.view(6), (torch.randn(0, 2, 3),), 0, False),
+    "reshape, batch dim not first": (lambda x: x.reshape(-1), (torch.randn(2, 4, 3),), 1, False),
+    "transpose(0, -1)": (lambda x: x.transpose(0, -1), (torch.randn(4, 2, 3, 5),), 0, True),
+    "torch.transpose(x, 1, 0)": (lambda x: torch.transpose(x, 1, 0), (torch.randn(4, 2, 3),),
+                                 0, True),
+    "transpose of a 0-dim example": (lambda x: x.transpose(0, -1), (torch.randn(4),), 0, False),
+    "t()": (lambda x: x.t(), (torch.randn(4, 2, 3),), 0, True),
+    "torch.t of a vector": (torch.t, (x4,), 0, False),
+    "permute(2, 0, 1)": (lambda x: x.permute(2, 0, 1), (torch.randn(4, 2, 3, 5),), 0, True),
+    "torch.permute(x, (-1, 0))": (lambda x: torch.permute(x, (-1, 0)), (torch.randn(4, 2, 3),),
+                                  0, True),
     "sum (no shortcut)": (lambda x: x.sum(), (x4,), 0, False),
 }
+
+
+@pytest.mark.parametrize("call", [lambda x: x.view(2, 2), lambda x: x.transpose(0, 2),
+                                  lambda x: x.permute(0), lambda x: x.reshape(7, -1)])
+def test_a_bad_view_raises_as_in_torch_func(call):
+    x = torch.randn(4, 2, 3)
+    with pytest.raises((RuntimeError, IndexError)) as theirs:
+        func_vmap(call)(x)
+    with pytest.raises((RuntimeError, IndexError)) as ours:
+        vmap(call)(x)
+    assert type(ours.value) is type(theirs.value)
+
+
+def test_a_chain_of_views_writes_through_to_its_base():
+    def f(x):
+        y = x.clone()
+        y.view(6).t().reshape(2, 3).transpose(0, 1).permute(1, 0)[0].mul_(10)
+        return y
+
+    same(f, torch.randn(4, 2, 3), shortcut=False)
 
 
 @pytest.mark.parametrize("case", CASES)

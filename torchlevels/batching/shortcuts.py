@@ -4,7 +4,8 @@ A vmap level's ``__torch_dispatch__`` sees an op only after the dispatcher has t
 through the Python key, and a round trip there costs several microseconds per op: most
 of the time of a chain of small ops. For the calls that dominate everyday code
 (pointwise math, ``F.linear``, convolution and pooling of one example or of a batch
-of them, ``flatten``, ``unsqueeze``), the batched
+of them, ``flatten``, ``unsqueeze``, ``view``/``reshape``, ``transpose``, ``permute``),
+the batched
 answer is the same call on the physical tensor with the batch dim first, so the level's
 ``__torch_function__`` makes that call directly.
 
@@ -262,6 +263,55 @@ def unsqueeze(cls, func, args, kwargs):
     return wrap_front(cls, _call(torch.unsqueeze, (inner, dim % rank + 1), {}))
 
 
+def _int_args(args: tuple, kwargs: dict) -> tuple | None:
+    """The ints after ``self`` (given one by one or as one sequence), or None."""
+    rest = args[1:]
+    if len(rest) == 1 and isinstance(rest[0], (tuple, list)):
+        rest = tuple(rest[0])
+    return None if kwargs or not all(type(i) is int for i in rest) else rest
+
+
+def reshape(cls, func, args, kwargs):
+    """``x.view(shape)``, ``x.reshape(shape)``: each example's shape, the batch in front.
+    Past the dispatcher, a chain of views costs the same per view however long it is
+    (PyTorch clones a subclass view's whole chain of view functions for every new view)."""
+    inner = _own(cls, args[0])
+    shape = _int_args(args, kwargs)
+    if inner is None or shape is None or not inner.shape[0]:
+        return None  # no examples: -1 would be ambiguous
+    try:
+        out = _call(func, (inner, (inner.shape[0], *shape)), {})
+    except RuntimeError:
+        return None  # a bad shape, or not a view of the batch: the usual path decides
+    return wrap_front(cls, out)
+
+
+def transpose(cls, func, args, kwargs):
+    """``x.transpose(d0, d1)``, ``x.t()``: the same dims of each example, one further in."""
+    inner = _own(cls, args[0])
+    dims = _int_args(args, kwargs)
+    rank = inner.dim() - 1 if inner is not None else 0
+    if func in (torch.t, torch.Tensor.t):
+        dims = None if dims or rank != 2 else (0, 1)
+    if inner is None or dims is None or len(dims) != 2 or not rank:
+        return None
+    if not all(-rank <= d < rank for d in dims):
+        return None  # out of range: the usual path raises torch's error
+    return wrap_front(cls, _call(torch.transpose, (inner, *(d % rank + 1 for d in dims)), {}))
+
+
+def permute(cls, func, args, kwargs):
+    """``x.permute(dims)``: each example's dims in that order, the batch in front."""
+    inner = _own(cls, args[0])
+    order = _int_args(args, kwargs)
+    if inner is None or order is None or len(order) != inner.dim() - 1 or not order:
+        return None
+    rank = len(order)
+    if not all(-rank <= d < rank for d in order):
+        return None
+    return wrap_front(cls, _call(torch.permute, (inner, (0, *(d % rank + 1 for d in order))), {}))
+
+
 def _declare(shortcut: Shortcut, *funcs: Callable) -> None:
     for func in funcs:
         SHORTCUTS[func] = shortcut
@@ -296,6 +346,9 @@ _declare(activation, *ACTIVATIONS)
 _declare(leading_dims, F.linear)
 _declare(flatten, torch.flatten, torch.Tensor.flatten)
 _declare(unsqueeze, torch.unsqueeze, torch.Tensor.unsqueeze)
+_declare(reshape, torch.Tensor.view, torch.reshape, torch.Tensor.reshape)
+_declare(transpose, torch.transpose, torch.Tensor.transpose, torch.t, torch.Tensor.t)
+_declare(permute, torch.permute, torch.Tensor.permute)
 
 
 def _max_pool(func, args, kwargs):
