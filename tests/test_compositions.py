@@ -630,12 +630,9 @@ def test_autograd_through_per_example_norm_gradients(loss):
     xs = torch.randn(5, 3, N, dtype=DTYPE, generator=gen)
     w, b = torch.randn(N, dtype=DTYPE, generator=gen), torch.randn(N, dtype=DTYPE, generator=gen)
 
-    def penalty(lib, xs, w):
-        g = lib.vmap(lib.grad(loss, argnums=(0, 1)), in_dims=(0, None, None))(xs, w, b)
-        return g[0].square().sum() + g[1].square().sum()
-
     args = (xs.clone().requires_grad_(), w.clone().requires_grad_())
-    got = torch.autograd.grad(penalty(tl, *args), args)
+    gx, gw = tl.vmap(tl.grad(loss, argnums=(0, 1)), in_dims=(0, None, None))(*args, b)
+    got = torch.autograd.grad(gx.square().sum() + gw.square().sum(), args)
     loop = [xs.clone().requires_grad_(), w.clone().requires_grad_()]
     rows = [torch.autograd.grad(loss(x, loop[1], b), (x, loop[1]), create_graph=True)
             for x in loop[0].unbind()]

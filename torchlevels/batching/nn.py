@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 from torch._decomp.decompositions_for_jvp import recompute_mean_var
+from torch._prims_common import get_computation_dtype
 
 from torchlevels._level import autograd_records, differentiated
 from torchlevels.batching.dims import (
@@ -407,11 +408,6 @@ def batch_norm_backward(func, args, dims, kwargs):
     return (gi, gw, gb), tuple(None if g is None else d for g, d in zip((gi, gw, gb), (1, 0, 0)))
 
 
-def _opmath(dtype: torch.dtype) -> torch.dtype:
-    """The dtype a CPU norm kernel computes in: float32 for 16-bit floats."""
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-
-
 def _sum_over(t: torch.Tensor, dims: list[int]) -> torch.Tensor:
     return t.sum(dims) if dims else t  # sum(()) would sum everything
 
@@ -437,7 +433,7 @@ def native_layer_norm_backward(func, args, dims, kwargs):
         else:
             w_rows = to_front(w, dims[5]).reshape(size, *(1,) * (axis - 1), *shape)
             gi = func(go * w_rows, x, shape, mean, rstd, None, None, [True, False, False])[0]
-    compute = _opmath(x.dtype)
+    compute = get_computation_dtype(x.dtype)  # float32 for 16-bit floats, as the kernel
     if mask[1] and w is not None:
         if differentiated(go, x, mean, rstd):
             mean, rstd = recompute_mean_var(x, rstd, list(range(axis, x.dim())), keepdim=True)
@@ -468,15 +464,14 @@ def native_group_norm_backward(func, args, dims, kwargs):
             go_w = go
         gi = func(go_w.flatten(0, 1), x.flatten(0, 1), mean.flatten(0, 1), rstd.flatten(0, 1),
                   weight, size * n, c, hxw, group, [True, False, False])[0].unflatten(0, (size, n))
-    compute = _opmath(x.dtype)
+    compute = get_computation_dtype(x.dtype)  # float32 for 16-bit floats, as the kernel
     groups = (size, n, group, c // group, hxw)
     if mask[1] and w is not None:
         x_groups = x.reshape(groups)
+        mean, rstd = (t.reshape(*groups[:3], 1, 1) for t in (mean, rstd))
         if differentiated(go, x, mean, rstd):
-            mean, rstd = recompute_mean_var(x_groups, rstd.reshape(*groups[:3], 1, 1), [3, 4],
-                                            keepdim=True)
-        x_hat = ((x_groups.to(compute) - mean.reshape(*groups[:3], 1, 1).to(compute))
-                 * rstd.reshape(*groups[:3], 1, 1).to(compute))
+            mean, rstd = recompute_mean_var(x_groups, rstd, [3, 4], keepdim=True)
+        x_hat = (x_groups.to(compute) - mean.to(compute)) * rstd.to(compute)
         gw = (go.reshape(groups).to(compute) * x_hat).sum((1, 4)).reshape(size, c).to(w.dtype)
     if mask[2]:
         gb = go.reshape(size, n, c, hxw).to(compute).sum((1, 3)).to((x if w is None else w).dtype)

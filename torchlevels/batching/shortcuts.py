@@ -290,12 +290,14 @@ def transpose(cls, func, args, kwargs):
     """``x.transpose(d0, d1)``, ``x.t()``: the same dims of each example, one further in."""
     inner = _own(cls, args[0])
     dims = _int_args(args, kwargs)
-    rank = inner.dim() - 1 if inner is not None else 0
-    if func in (torch.t, torch.Tensor.t):
-        dims = None if dims or rank != 2 else (0, 1)
-    if inner is None or dims is None or len(dims) != 2 or not rank:
+    if inner is None or dims is None:
         return None
-    if not all(-rank <= d < rank for d in dims):
+    rank = inner.dim() - 1
+    if func in (torch.t, torch.Tensor.t):
+        if dims or rank != 2:
+            return None  # t() of a vector or a 0-dim example: the usual path
+        dims = (0, 1)
+    if len(dims) != 2 or not rank or not all(-rank <= d < rank for d in dims):
         return None  # out of range: the usual path raises torch's error
     return wrap_front(cls, _call(torch.transpose, (inner, *(d % rank + 1 for d in dims)), {}))
 
