@@ -92,6 +92,24 @@ def test_cat_with_unbatched_and_legacy_empty():
           in_dims=[(0, None), (1, None)])
 
 
+@pytest.mark.parametrize("in_dim", [0, 1, 2])
+def test_view_of_examples_that_cannot_be_viewed_raises(in_dim):
+    """As a loop and torch.func do: a copy in place of the view would let a write through
+    it miss the base."""
+    def f(x):
+        x.t().view(12).add_(1)
+        return x
+
+    x = torch.randn(5, 4, 3).movedim(0, in_dim)
+    for run in (lambda: loop_reference(f, (x.clone(),), in_dims=in_dim),
+                lambda: func_vmap(f, in_dims=in_dim)(x.clone()),
+                lambda: vmap(f, in_dims=in_dim)(x.clone())):
+        with pytest.raises(RuntimeError, match="view size is not compatible"):
+            run()
+    g = lambda x: x.t().contiguous().view(12)  # noqa: E731
+    check_vmap(g, x, in_dims=in_dim)
+
+
 def test_views_alias_their_base():
     def f(x):
         y = x.clone()

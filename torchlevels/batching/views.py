@@ -30,8 +30,11 @@ def view(func, args, dims, kwargs):
         known = math.prod(s for s in shape if s != -1)
         if known:
             shape = [math.prod(x.shape[1:]) // known if s == -1 else s for s in shape]
-    # reshape, not view: moving the batch dim first may have made x non-contiguous
-    return x.reshape(x.shape[0], *shape), 0
+    # view stays view: with the batch in front, the batch views as [B, *shape] exactly when
+    # every example views as shape, so an example that a loop could not view fails here too
+    # (a copy would let a write through the "view" miss the base)
+    op = x.view if func is aten.view.default else x.reshape
+    return op(x.shape[0], *shape), 0
 
 
 @register(aten.view_as_real, aten.view_as_complex)
