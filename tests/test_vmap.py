@@ -117,6 +117,29 @@ def test_inplace_on_batched():
     same(f, torch.randn(4, 3), torch.randn(3), in_dims=(0, None))
 
 
+@pytest.mark.parametrize("in_dim", [0, 1])
+def test_fill_and_zero_write_what_an_expanded_example_shares(in_dim):
+    """As PyTorch's fill with a number does; a fill with a tensor refuses, as PyTorch does."""
+    def f(x, v):
+        y = x.clone()
+        y.unsqueeze(0).expand(2, 3, 4).fill_(2.5)
+        y.t().expand(2, 4, 3)[:, 1].zero_()
+        y.t()[1].fill_(v)  # one value per example
+        return y
+
+    x, v = torch.randn(5, 3, 4).movedim(0, in_dim), torch.randn(5)
+    loop = torch.stack([f(x.select(in_dim, b), v[b]) for b in range(5)])
+    assert_close(same(f, x, v, in_dims=(in_dim, 0)), loop)
+
+    def shared(x, v):
+        x.clone().unsqueeze(0).expand(2, 3, 4).fill_(v)
+
+    with pytest.raises(RuntimeError, match="single memory location"):
+        shared(x.select(in_dim, 0), v[0])
+    same_error(shared, x, v, in_dims=(in_dim, 0), match="single memory location")
+    same_error(shared, x, v[0], in_dims=(in_dim, None), match="single memory location")
+
+
 def test_inplace_into_unbatched_with_batched_values_errors():
     def f(x):
         buf = torch.zeros(3)

@@ -130,6 +130,20 @@ register_family("pointwise", _is_pointwise, pointwise_rule)
 register(aten.copy_.default, aten.complex, aten.polar)(pointwise_rule)
 
 
+@register(aten.fill_.Scalar, aten.fill_.Tensor, aten.zero_.default)
+def fill_(func, args, dims, kwargs):
+    """``fill_``, ``zero_``: the kernel on the batch in whatever layout it has. Like it, a
+    fill with a number writes every element, also those an expanded tensor shares (the
+    decomposition's ``copy_`` refuses those, as PyTorch does for a fill with a tensor)."""
+    if dims[0] is None:
+        raise_inplace_unbatched_self(func)
+    if len(dims) < 2 or dims[1] is None:
+        return func(*args, **kwargs), dims[0]
+    x = to_front(args[0], dims[0])  # a view: the writes reach args[0]
+    x.copy_(to_front(args[1], dims[1]).view(-1, *[1] * (x.dim() - 1)).expand_as(x))
+    return args[0], dims[0]
+
+
 @register(torch.ops.prims.where.default)
 def prims_where(func, args, dims, kwargs):
     """``prims.where(pred, a, b)``: elementwise, but its tensors must have one shape (no
