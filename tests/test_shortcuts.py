@@ -284,9 +284,14 @@ def test_a_users_rule_for_an_aten_op_switches_the_shortcuts_off(fn, op):
     assert SHORTCUTS
 
 
-def test_only_vmap_levels_have_shortcuts():
+def test_vmap_and_grad_levels_have_shortcuts_of_their_own():
+    """A jvp level has none, nor a grad level inside one (its shortcuts would decline every
+    call under forward AD; torchlevels/grad_shortcuts.py)."""
     with torchlevels.vmap() as B:
         assert B.__torch_function__.__func__.__module__ == "torchlevels.batching.shortcuts"
         with torchlevels.grad_level() as G:
+            assert G.__torch_function__.__func__.__module__ == "torchlevels.grad_shortcuts"
+        with torchlevels.jvp_level() as J, torchlevels.grad_level() as G:
+            assert J.__torch_function__ is torch._C._disabled_torch_function_impl
             assert G.__torch_function__ is torch._C._disabled_torch_function_impl
     assert len(SHORTCUTS) > 100

@@ -29,6 +29,7 @@ import torch
 import torch._decomp
 import torch.autograd.forward_ad as fwAD
 
+from torchlevels import grad_shortcuts
 from torchlevels._level import (
     Level,
     LevelTensor,
@@ -155,6 +156,15 @@ class GradLevel(Level):
 
     def rewrap(self, cls, tensor: torch.Tensor) -> torch.Tensor:
         return wrap_inner(cls, tensor._inner)
+
+    def wrap_result(self, cls, args: tuple, inner_args: list, out: Any) -> Any:
+        """``out``, what a call made of ``args`` gave run on their inner tensors
+        ``inner_args`` (no tensor among its keyword arguments), as tensors of level ``cls``,
+        noting what the call read as :meth:`dispatch` does."""
+        if not self.captures_tracked:
+            self.captures_tracked = _captures_tracked(cls, args)
+        _note_level_graph(out, inner_args, {})
+        return wrap_all(cls, out)
 
     def dispatch(self, cls, func, args, kwargs):
         if not self.captures_tracked:
@@ -730,7 +740,10 @@ def grad_level(name: str = "grad") -> Iterator[type[LevelTensor]]:
         tensor(6.)
     """
     level = GradLevel(name)
-    cls = new_level_class(level, "GradTensor", **_GRAD_LEVEL_TENSOR)
+    # inside a jvp level the shortcuts would decline every call (see grad_shortcuts.py)
+    shortcuts = {} if fwAD._current_level >= 0 else {
+        "torch_function": classmethod(grad_shortcuts.torch_function)}
+    cls = new_level_class(level, "GradTensor", **shortcuts, **_GRAD_LEVEL_TENSOR)
     level.nested_in_autodiff = bool(autodiff_classes(cls.__base__))
     # grad(f) inside no_grad or inference_mode still differentiates, as torch.func's does
     with (entered(cls), _inference_mode_off(), torch.enable_grad(), predispatch.hook(),

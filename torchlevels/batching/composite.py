@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch._ops import OpOverload
 
-from torchlevels._level import LevelTensor
+from torchlevels._level import LevelTensor, requires_grad_flag, tracked_outside
 from torchlevels.batching.dims import pad_to_rank, to_front
 from torchlevels.batching.predispatch import intercept, passed_by
 from torchlevels.batching.registry import is_composite
@@ -54,8 +54,7 @@ def call_recorded(func: OpOverload, args: Any, kwargs: dict) -> Any:
     vmap level themselves (a jvp level runs its ops on their duals). A composite op among
     ``func`` and its pieces decomposes there, so that its pieces are recorded, instead of
     taking vmap's rule for it, which would compute beneath the record (a jvp of matmul
-    with no tangent). A grad level gets composite ops from the user decomposed already
-    (PyTorch decomposes them above autograd), so it does not need this."""
+    with no tangent). Autograd's records are seen by the arguments (``_recorded_on``)."""
     if not is_composite(func):
         return func(*args, **kwargs)
     token = _recording.set(True)
@@ -65,12 +64,24 @@ def call_recorded(func: OpOverload, args: Any, kwargs: dict) -> Any:
         _recording.reset(token)
 
 
+def _recorded_on(args: tuple) -> bool:
+    """Whether autograd records ops on these arguments themselves, not only on the
+    physical tensors under them: a tensor of a level that requires grad (a grad level runs
+    whole calls on its inner tensors, grad_shortcuts.py), or a plain tensor that requires
+    grad only for a grad level's graph. A composite rule computes beneath them, so it would
+    hide the op from that record; decomposed, each piece is recorded."""
+    return torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and requires_grad_flag(t)
+        and (isinstance(t, LevelTensor) or not tracked_outside(t))
+        for a in args for t in (a if isinstance(a, (list, tuple)) else (a,)))
+
+
 def composite_rule(*ops):
     """Register ``rule`` for composite ``ops``, tried before they decompose under vmap."""
 
     def deco(rule):
         def handler(op, args, kwargs):
-            if _recording.get():
+            if _recording.get() or _recorded_on(args):
                 return op.decompose(*args, **kwargs)
             cls = _deepest_level(args)
             if cls is None or not cls._level.alive or not hasattr(cls._level, "composite"):

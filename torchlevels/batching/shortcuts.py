@@ -66,11 +66,11 @@ def torch_function(cls, func, types, args=(), kwargs=None):
             return out
     for t in types:
         if t is not torch.Tensor and not issubclass(t, LevelTensor):
-            return _foreign(func, types, args, kwargs or _EMPTY)
+            return foreign_call(func, types, args, kwargs or _EMPTY)
     return _disabled(func, types, args, kwargs or _EMPTY)
 
 
-def _foreign(func, types, args, kwargs):
+def foreign_call(func, types, args, kwargs):
     """A call with a foreign subclass that has a ``__torch_function__``: it answers, as if
     vmap had none (its tensors reach vmap's ``__torch_dispatch__`` as ever)."""
     others = tuple(t for t in types if not issubclass(t, LevelTensor))

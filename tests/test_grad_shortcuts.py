@@ -1,0 +1,170 @@
+"""A grad level's shortcuts (grad_shortcuts.py): each call taken or declined as designed,
+and every result equal to torch.func's on the same inputs."""
+
+import contextlib
+
+import pytest
+import torch
+import torch.autograd.forward_ad as fwAD
+import torch.func as ft
+import torch.nn.functional as F
+
+import torchlevels as tl
+from torchlevels.autodiff import GradLevel, grad_level
+from torchlevels.grad_shortcuts import CALLS
+
+assert_close = torch.testing.assert_close
+
+
+@contextlib.contextmanager
+def counting_grad_dispatches():
+    """Count the ops that reach a grad level's ``__torch_dispatch__`` (not shortcut)."""
+    calls = []
+    original = GradLevel.dispatch
+
+    def dispatch(self, cls, func, args, kwargs):
+        calls.append(func)
+        return original(self, cls, func, args, kwargs)
+
+    GradLevel.dispatch = dispatch
+    try:
+        yield calls
+    finally:
+        GradLevel.dispatch = original
+
+
+W, B = torch.randn(6, 5, dtype=torch.float64), torch.randn(6, dtype=torch.float64)
+LOSSES = {  # losses of weights w (6, 5) and an example x (5,)
+    "pointwise": lambda w, x: (torch.sin(w * x) + x.exp() / 3 - w ** 2).tanh().sum(),
+    "activations": lambda w, x: (F.gelu(w) * F.silu(x) + F.relu(w - x)).sum(),
+    "linear of a vector": lambda w, x: F.linear(x, w, B).square().sum(),
+    "linear of a computed weight": lambda w, x: F.linear(x, w.sin() * 2).square().sum(),
+    "linear of a matrix": lambda w, x: F.linear(x.unsqueeze(0), w).sin().sum(),
+    "matmul and views": lambda w, x: (w @ x).view(2, 3).t().reshape(-1).log_softmax(0).sum(),
+    "cross entropy": lambda w, x: F.cross_entropy(F.linear(x, w)[None], torch.tensor([2])),
+    "layer norm": lambda w, x: F.layer_norm(w * x, (5,), w[0], w[1]).pow(3).mean(),
+}
+
+
+@pytest.mark.parametrize("name", LOSSES)
+def test_per_example_gradients_equal_torch_func(name):
+    """The weights unbatched and the examples batched: calls that mix a grad level's plain
+    leaves with a vmap level's tensors, composite ones among them."""
+    loss = LOSSES[name]
+    w, x = W.clone(), torch.randn(4, 5, dtype=torch.float64)
+    for argnums in (0, 1, (0, 1)):
+        ours = tl.vmap(tl.grad(loss, argnums), in_dims=(None, 0))(w, x)
+        theirs = ft.vmap(ft.grad(loss, argnums), in_dims=(None, 0))(w, x)
+        assert_close(ours, theirs)
+
+
+@pytest.mark.parametrize("name", LOSSES)
+def test_gradients_equal_torch_func_in_every_nesting(name):
+    loss = LOSSES[name]
+    w, x = W.clone(), torch.randn(5, dtype=torch.float64)
+    assert_close(tl.grad(loss)(w, x), ft.grad(loss)(w, x))
+    assert_close(tl.jacrev(tl.grad(loss, 1), 1)(w, x), ft.jacrev(ft.grad(loss, 1), 1)(w, x))
+    assert_close(tl.hessian(loss, 1)(w, x), ft.hessian(loss, 1)(w, x))
+    xs = torch.randn(3, 5, dtype=torch.float64)
+    assert_close(tl.grad(lambda w: tl.vmap(loss, in_dims=(None, 0))(w, xs).sum())(w),
+                 ft.grad(lambda w: ft.vmap(loss, in_dims=(None, 0))(w, xs).sum())(w))
+
+
+def test_elementwise_calls_reach_no_grad_dispatch():
+    x = torch.randn(4, 5)
+    f = lambda x: (torch.sin(x) * x + 2 - x.exp() / (1 + x.abs())).sum()  # noqa: E731
+    with counting_grad_dispatches() as calls:
+        ours = tl.vmap(tl.grad(f))(x)
+    assert_close(ours, ft.vmap(ft.grad(f))(x))
+    assert not calls, calls
+
+
+def test_autograd_outside_sees_the_per_example_gradients():
+    """A gradient penalty: the per-example gradients are differentiated by autograd
+    outside, through calls the grad level ran whole (F.linear of a tracked weight)."""
+    w = W.clone().requires_grad_()
+    x = torch.randn(4, 5, dtype=torch.float64)
+
+    def penalty(lib):
+        g = lib.vmap(lib.grad(lambda x: F.linear(x, w).tanh().sum()))(x)
+        return torch.autograd.grad(g.square().sum(), w)[0]
+
+    assert_close(penalty(tl), penalty(ft))
+
+
+def test_results_carry_no_autograd_history():
+    """A per-example gradient of F.linear (run whole, its W.t() made beneath the grad
+    level) comes out as plain values, as in torch.func."""
+    out = tl.vmap(tl.grad(lambda w, x: F.linear(x, w).sum()), in_dims=(None, 0))(
+        W, torch.randn(4, 5, dtype=torch.float64))
+    assert not out.requires_grad and out.grad_fn is None
+
+
+@pytest.mark.parametrize("call", [
+    lambda x: x.add_(1),  # in place
+    lambda x: F.relu(x, inplace=True),
+    lambda x: torch.add(x, 1, out=torch.empty(5)),
+    lambda x: torch.where(x > 0, x, 1.0),
+], ids=["add_", "relu inplace", "out=", "not a shortcut"])
+def test_unusual_calls_take_the_usual_way(call):
+    f = lambda x: call(x * 1).sum()  # noqa: E731
+    x = torch.randn(5)
+    with counting_grad_dispatches() as calls:
+        try:
+            ours = tl.grad(f)(x)
+        except RuntimeError as error:
+            with pytest.raises(RuntimeError):
+                ft.grad(f)(x)
+            assert calls, error
+            return
+    assert_close(ours, ft.grad(f)(x))
+    assert calls
+
+
+def test_a_users_dual_tensor_keeps_its_tangent():
+    """Forward AD the user runs inside grad: the shortcut declines, so the tangent of a
+    dual made of a grad level's tensor is carried by the usual path."""
+    with grad_level() as G:
+        x = G(torch.tensor([0.5, 1.5]))
+        with fwAD.dual_level():
+            y = torch.sin(fwAD.make_dual(x, torch.ones(2)))
+            tangent = fwAD.unpack_dual(y).tangent
+        assert_close(G.unwrap(tangent), torch.tensor([0.5, 1.5]).cos())
+
+
+def test_a_foreign_subclass_gets_the_call():
+    class Logged(torch.Tensor):  # logs calls, returns plain results (as tv_tensors do)
+        seen: list = []
+
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            cls.seen.append(func)
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+
+    c = torch.ones(5).as_subclass(Logged)
+    f = lambda x: (torch.mul(x, c)).sum()  # noqa: E731
+    x = torch.randn(5)
+    ours = tl.grad(f)(x)
+    assert torch.mul in Logged.seen
+    assert_close(ours.as_subclass(torch.Tensor), ft.grad(f)(x).as_subclass(torch.Tensor))
+
+
+def test_every_call_is_a_function_of_its_arguments():
+    """The calls a grad level runs whole: no in-place method or property among them."""
+    for call in CALLS:
+        name = getattr(call, "__name__", "")
+        assert not name.endswith("_") or name.startswith("__"), call
+        assert not isinstance(call, property), call
+
+
+def test_a_composite_call_on_a_grad_levels_inner_tensors_is_recorded():
+    """vmap's rule for a composite op (F.linear) computes beneath the vmap level's
+    tensors: where autograd records on those tensors themselves (a grad level's inner
+    tensors, as its shortcuts use them), the op decomposes and each piece is recorded."""
+    xs, w = torch.randn(4, 5), torch.randn(3, 5)
+    with tl.vmap() as V, grad_level() as G:
+        inner = G.unwrap(G(V(xs)))
+        (g,) = torch.autograd.grad(F.linear(inner, w).square().sum(), inner)
+        ours = V.unwrap(g)
+    assert_close(ours, ft.vmap(ft.grad(lambda x: F.linear(x, w).square().sum()))(xs))
