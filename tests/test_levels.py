@@ -7,9 +7,11 @@ import tracemalloc
 
 import pytest
 import torch
+import torch.func
 from torch.func import vmap as func_vmap
 from torch.utils._pytree import tree_map
 
+import torchlevels
 from torchlevels import EscapedTensorError, LevelTensor, UnrelatedLevelsError, vmap
 
 
@@ -152,6 +154,29 @@ def test_foreign_subclass_mixed_with_batched_returns_not_implemented_first():
         return (x + LoggingTensor(w)).elem
 
     torch.testing.assert_close(vmap(f)(xs), xs + w)
+
+
+class Tagged(torch.Tensor):  # torch.Tensor's own __torch_function__, as a bare subclass has
+    pass
+
+
+@pytest.mark.parametrize("transform", ["vmap", "grad", "vmap(grad)"])
+def test_a_bare_subclass_counts_as_a_plain_tensor(transform):
+    """Its __torch_function__ would make the level's result a Tagged, which a level's
+    tensor cannot become: as under torch.func, it counts as a plain tensor."""
+    tag = torch.randn(5).as_subclass(Tagged)
+    xs = torch.randn(3, 5)
+
+    def run(lib):
+        loss = lambda x: (torch.mul(x, tag) + tag.exp() * x).sin().sum()  # noqa: E731
+        if transform == "vmap":
+            return lib.vmap(lambda x: torch.mul(x, tag) + tag)(xs)
+        if transform == "grad":
+            return lib.grad(loss)(xs[0])
+        return lib.vmap(lib.grad(loss))(xs)
+
+    ours, theirs = run(torchlevels), run(torch.func)
+    torch.testing.assert_close(ours.as_subclass(torch.Tensor), theirs.as_subclass(torch.Tensor))
 
 
 def test_memory_flat_over_10000_calls():

@@ -72,13 +72,21 @@ def torch_function(cls, func, types, args=(), kwargs=None):
 
 def foreign_call(func, types, args, kwargs):
     """A call with a foreign subclass that has a ``__torch_function__``: it answers, as if
-    vmap had none (its tensors reach vmap's ``__torch_dispatch__`` as ever)."""
-    others = tuple(t for t in types if not issubclass(t, LevelTensor))
+    the level had none (its tensors reach the level's ``__torch_dispatch__`` as ever).
+
+    A subclass with torch.Tensor's own ``__torch_function__`` (``class T(torch.Tensor):
+    pass``) would turn the level's result into a ``T``, which a tensor of a level cannot
+    become: it counts as a plain tensor, as it does under torch.func."""
+    others = tuple(t for t in types if not issubclass(t, LevelTensor)
+                   and getattr(t.__torch_function__, "__func__", None) is not _TENSOR_DEFAULT)
     for t in others:
         out = t.__torch_function__(func, others, args, kwargs)
         if out is not NotImplemented:
             return out
-    return NotImplemented
+    return NotImplemented if others else _disabled(func, types, args, kwargs)
+
+
+_TENSOR_DEFAULT = torch.Tensor.__torch_function__.__func__
 
 
 _EMPTY: dict = {}
