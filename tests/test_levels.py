@@ -160,7 +160,7 @@ class Tagged(torch.Tensor):  # torch.Tensor's own __torch_function__, as a bare 
     pass
 
 
-@pytest.mark.parametrize("transform", ["vmap", "grad", "vmap(grad)"])
+@pytest.mark.parametrize("transform", ["vmap", "grad", "vmap(grad)", "jvp", "jacfwd", "hessian"])
 def test_a_bare_subclass_counts_as_a_plain_tensor(transform):
     """Its __torch_function__ would make the level's result a Tagged, which a level's
     tensor cannot become: as under torch.func, it counts as a plain tensor."""
@@ -173,6 +173,10 @@ def test_a_bare_subclass_counts_as_a_plain_tensor(transform):
             return lib.vmap(lambda x: torch.mul(x, tag) + tag)(xs)
         if transform == "grad":
             return lib.grad(loss)(xs[0])
+        if transform == "jvp":
+            return lib.jvp(loss, (xs[0],), (xs[1],))[1]
+        if transform in ("jacfwd", "hessian"):
+            return getattr(lib, transform)(loss)(xs[0])
         return lib.vmap(lib.grad(loss))(xs)
 
     ours, theirs = run(torchlevels), run(torch.func)

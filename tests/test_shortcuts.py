@@ -286,12 +286,13 @@ def test_a_users_rule_for_an_aten_op_switches_the_shortcuts_off(fn, op):
 
 def test_vmap_and_grad_levels_have_shortcuts_of_their_own():
     """A jvp level has none, nor a grad level inside one (its shortcuts would decline every
-    call under forward AD; torchlevels/grad_shortcuts.py)."""
+    call under forward AD; torchlevels/grad_shortcuts.py): they only hand a foreign
+    subclass its calls."""
     with torchlevels.vmap() as B:
         assert B.__torch_function__.__func__.__module__ == "torchlevels.batching.shortcuts"
         with torchlevels.grad_level() as G:
             assert G.__torch_function__.__func__.__module__ == "torchlevels.grad_shortcuts"
         with torchlevels.jvp_level() as J, torchlevels.grad_level() as G:
-            assert J.__torch_function__ is torch._C._disabled_torch_function_impl
-            assert G.__torch_function__ is torch._C._disabled_torch_function_impl
+            assert J.__torch_function__.__func__ is shortcuts.no_shortcuts
+            assert G.__torch_function__.__func__ is shortcuts.no_shortcuts
     assert len(SHORTCUTS) > 100

@@ -58,6 +58,7 @@ from torchlevels.batching.registry import (
     returns_view,
     writes_first_argument,
 )
+from torchlevels.batching.shortcuts import no_shortcuts
 
 # A composite op that picks a kernel without a derivative when no argument requires grad,
 # which a grad level's wrappers never do (autograd runs on their inner tensors): the
@@ -741,9 +742,8 @@ def grad_level(name: str = "grad") -> Iterator[type[LevelTensor]]:
     """
     level = GradLevel(name)
     # inside a jvp level the shortcuts would decline every call (see grad_shortcuts.py)
-    shortcuts = {} if fwAD._current_level >= 0 else {
-        "torch_function": classmethod(grad_shortcuts.torch_function)}
-    cls = new_level_class(level, "GradTensor", **shortcuts, **_GRAD_LEVEL_TENSOR)
+    torch_function = no_shortcuts if fwAD._current_level >= 0 else grad_shortcuts.torch_function
+    cls = new_level_class(level, "GradTensor", classmethod(torch_function), **_GRAD_LEVEL_TENSOR)
     level.nested_in_autodiff = bool(autodiff_classes(cls.__base__))
     # grad(f) inside no_grad or inference_mode still differentiates, as torch.func's does
     with (entered(cls), _inference_mode_off(), torch.enable_grad(), predispatch.hook(),
@@ -766,7 +766,7 @@ def jvp_level() -> Iterator[type[LevelTensor]]:
         (tensor(9.), tensor(6.))
     """
     level = JvpLevel()
-    cls = new_level_class(level, "DualTensor", **_JVP_LEVEL_TENSOR)
+    cls = new_level_class(level, "DualTensor", classmethod(no_shortcuts), **_JVP_LEVEL_TENSOR)
     with (entered(cls), _inference_mode_off(), _dual_level(), predispatch.hook(),
           _no_fused_inference()):
         yield cls

@@ -70,6 +70,16 @@ def torch_function(cls, func, types, args=(), kwargs=None):
     return _disabled(func, types, args, kwargs or _EMPTY)
 
 
+def no_shortcuts(cls, func, types, args=(), kwargs=None):
+    """The ``__torch_function__`` of a level with no shortcuts (a jvp level): a foreign
+    subclass among the arguments answers as it would with no level; the rest goes on to
+    the dispatcher."""
+    for t in types:
+        if t is not torch.Tensor and not issubclass(t, LevelTensor):
+            return foreign_call(func, types, args, kwargs or _EMPTY)
+    return _disabled(func, types, args, kwargs or _EMPTY)
+
+
 def foreign_call(func, types, args, kwargs):
     """A call with a foreign subclass that has a ``__torch_function__``: it answers, as if
     the level had none (its tensors reach the level's ``__torch_dispatch__`` as ever).
