@@ -31,10 +31,9 @@ from torchlevels.batching.shortcuts import (
     ACTIVATIONS,
     POINTWISE_DUNDERS,
     POINTWISE_NAMES,
-    foreign_call,
+    no_shortcuts,
 )
 
-_disabled = torch._C._disabled_torch_function_impl
 _no_subclass_torch_function = torch._C.DisableTorchFunctionSubclass
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _EMPTY: dict = {}
@@ -67,10 +66,7 @@ def torch_function(cls, func, types, args=(), kwargs=None):
         out = _on_inner(cls, func, args, kwargs)
         if out is not None:
             return out
-    for t in types:
-        if t is not torch.Tensor and not issubclass(t, LevelTensor):
-            return foreign_call(func, types, args, kwargs)
-    return _disabled(func, types, args, kwargs)
+    return no_shortcuts(cls, func, types, args, kwargs)
 
 
 def _on_inner(cls, func, args, kwargs) -> Any:

@@ -64,10 +64,7 @@ def torch_function(cls, func, types, args=(), kwargs=None):
             out = shortcut(cls, func, args, kwargs or _EMPTY)
         if out is not None:
             return out
-    for t in types:
-        if t is not torch.Tensor and not issubclass(t, LevelTensor):
-            return foreign_call(func, types, args, kwargs or _EMPTY)
-    return _disabled(func, types, args, kwargs or _EMPTY)
+    return no_shortcuts(cls, func, types, args, kwargs)
 
 
 def no_shortcuts(cls, func, types, args=(), kwargs=None):
