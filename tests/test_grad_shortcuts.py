@@ -1,36 +1,18 @@
 """A grad level's shortcuts (grad_shortcuts.py): each call taken or declined as designed,
 and every result equal to torch.func's on the same inputs."""
 
-import contextlib
-
 import pytest
 import torch
 import torch.autograd.forward_ad as fwAD
 import torch.func as ft
 import torch.nn.functional as F
+from vmap_reference import counting_dispatches
 
 import torchlevels as tl
 from torchlevels.autodiff import GradLevel, grad_level
 from torchlevels.grad_shortcuts import CALLS
 
 assert_close = torch.testing.assert_close
-
-
-@contextlib.contextmanager
-def counting_grad_dispatches():
-    """Count the ops that reach a grad level's ``__torch_dispatch__`` (not shortcut)."""
-    calls = []
-    original = GradLevel.dispatch
-
-    def dispatch(self, cls, func, args, kwargs):
-        calls.append(func)
-        return original(self, cls, func, args, kwargs)
-
-    GradLevel.dispatch = dispatch
-    try:
-        yield calls
-    finally:
-        GradLevel.dispatch = original
 
 
 W, B = torch.randn(6, 5, dtype=torch.float64), torch.randn(6, dtype=torch.float64)
@@ -73,7 +55,7 @@ def test_gradients_equal_torch_func_in_every_nesting(name):
 def test_elementwise_calls_reach_no_grad_dispatch():
     x = torch.randn(4, 5)
     f = lambda x: (torch.sin(x) * x + 2 - x.exp() / (1 + x.abs())).sum()  # noqa: E731
-    with counting_grad_dispatches() as calls:
+    with counting_dispatches(GradLevel) as calls:
         ours = tl.vmap(tl.grad(f))(x)
     assert_close(ours, ft.vmap(ft.grad(f))(x))
     assert not calls, calls
@@ -109,7 +91,7 @@ def test_results_carry_no_autograd_history():
 def test_unusual_calls_take_the_usual_way(call):
     f = lambda x: call(x * 1).sum()  # noqa: E731
     x = torch.randn(5)
-    with counting_grad_dispatches() as calls:
+    with counting_dispatches(GradLevel) as calls:
         try:
             ours = tl.grad(f)(x)
         except RuntimeError as error:

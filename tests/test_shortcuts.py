@@ -1,13 +1,12 @@
 """vmap's shortcuts (batching/shortcuts.py): each call taken or declined as designed, and
 every result equal to torch.func.vmap's on the same inputs."""
 
-import contextlib
-
 import pytest
 import torch
 import torch.nn.functional as F
 from torch.func import vmap as func_vmap
 from torch.overrides import TorchFunctionMode
+from vmap_reference import counting_dispatches
 
 import torchlevels
 from torchlevels import EscapedTensorError, vmap
@@ -19,26 +18,9 @@ from torchlevels.vmap import BatchLevel
 assert_close = torch.testing.assert_close
 
 
-@contextlib.contextmanager
-def counting_dispatches():
-    """Count the ops that reach a vmap level's ``__torch_dispatch__`` (not shortcut)."""
-    calls = []
-    original = BatchLevel.dispatch
-
-    def dispatch(self, cls, func, args, kwargs):
-        calls.append(func)
-        return original(self, cls, func, args, kwargs)
-
-    BatchLevel.dispatch = dispatch
-    try:
-        yield calls
-    finally:
-        BatchLevel.dispatch = original
-
-
 def same(f, *args, shortcut: bool, in_dims=0):
     """torchlevels.vmap(f) equals torch.func.vmap(f); ``shortcut``: no op reached dispatch."""
-    with counting_dispatches() as calls:
+    with counting_dispatches(BatchLevel) as calls:
         ours = vmap(f, in_dims=in_dims)(*args)
     assert_close(ours, func_vmap(f, in_dims=in_dims)(*args), equal_nan=True)
     assert (not calls) == shortcut, f"ops that reached dispatch: {calls}"
@@ -182,13 +164,13 @@ def test_nested_vmap_takes_shortcuts_at_every_level():
     w = torch.randn(3, 5)
     f = lambda x, y: F.linear(torch.tanh(x * y), w)  # noqa: E731
     x, y = torch.randn(2, 4, 5), torch.randn(2, 4, 5)
-    with counting_dispatches() as calls:
+    with counting_dispatches(BatchLevel) as calls:
         ours = vmap(vmap(f))(x, y)
     assert_close(ours, func_vmap(func_vmap(f))(x, y))
     assert not calls
     # y batched at the outer level only: an unbatched operand at the inner one, which
     # hands it on; the outer level then sees operands of two ranks (its batching rule)
-    with counting_dispatches() as calls:
+    with counting_dispatches(BatchLevel) as calls:
         mixed = vmap(vmap(f, in_dims=(0, None)))(x, y[:, 0])
     assert_close(mixed, func_vmap(func_vmap(f, in_dims=(0, None)))(x, y[:, 0]))
     assert [str(op) for op in calls] == ["aten.mul.Tensor"]

@@ -16,8 +16,9 @@ Test files import this module as a plain module (pytest puts tests/ on ``sys.pat
 
 from __future__ import annotations
 
+import contextlib
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -95,3 +96,21 @@ def check_vmap(f: Callable, *args: Any, in_dims: InDims = 0, atol: float | None 
         torch.testing.assert_close(got, torch.func.vmap(f, in_dims)(*args), **close)
     torch.testing.assert_close(got, loop_reference(f, args, in_dims), **close)
     return got
+
+
+@contextlib.contextmanager
+def counting_dispatches(level_type: type) -> Iterator[list]:
+    """Count the ops that reach the ``dispatch`` of ``level_type`` (a ``Level`` class: a
+    level's ``__torch_dispatch__``), those its shortcuts did not answer."""
+    calls: list = []
+    original = level_type.dispatch
+
+    def dispatch(self, cls, func, args, kwargs):
+        calls.append(func)
+        return original(self, cls, func, args, kwargs)
+
+    level_type.dispatch = dispatch
+    try:
+        yield calls
+    finally:
+        level_type.dispatch = original
