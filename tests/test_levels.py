@@ -189,6 +189,7 @@ def test_memory_flat_over_10000_calls():
     for _ in range(200):
         f(x)
     gc.collect()
+    classes = set(LevelTensor.__subclasses__())  # an earlier test's failed backward may hold one
     tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0]
     for _ in range(10_000):
@@ -197,7 +198,7 @@ def test_memory_flat_over_10000_calls():
     after = tracemalloc.get_traced_memory()[0]
     tracemalloc.stop()
     assert after - before < 256 * 1024, f"memory grew by {after - before} bytes"
-    assert len(LevelTensor.__subclasses__()) == 0  # no level class kept alive
+    assert set(LevelTensor.__subclasses__()) <= classes  # no level class kept alive
 
 
 def test_threads_run_vmap_concurrently():
@@ -227,3 +228,21 @@ def test_threads_run_vmap_concurrently():
     for out, expected in results.values():
         torch.testing.assert_close(out, expected)
     assert set(results) == {"a", "b"}
+
+
+class Logged(torch.Tensor):  # a __torch_function__ that defers to torch.Tensor's
+    calls: list = []
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        cls.calls.append(func)
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+def test_a_subclass_whose_torch_function_converts_results_gets_a_clear_error():
+    """torch.Tensor.__torch_function__ makes each result a Logged, which a level's tensor
+    cannot become: the error names the class and what to do, rather than PyTorch's
+    "already associated to a python object"."""
+    w = torch.randn(3).as_subclass(Logged)
+    with pytest.raises(RuntimeError, match="Logged.__torch_function__ made the result of"):
+        vmap(lambda x: x * w)(torch.randn(4, 3))

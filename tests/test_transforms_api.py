@@ -19,6 +19,7 @@ import torchlevels
 import torchlevels as tl
 from torchlevels import EscapedTensorError, grad_level, jvp_level
 from torchlevels._level import LevelTensor
+from torchlevels.batching.pointwise import UnbatchedWriteError
 
 
 def assert_tree_close(actual, expected, **kwargs):
@@ -1236,6 +1237,59 @@ def test_autograd_on_top_of_zero_second_derivatives(f):
     assert_tree_close(run(tl), run(tf))
 
 
+def _write_through_view_then_abs(x):
+    y = x.clone()
+    y[...].mul_(x.cos())
+    return y.abs().sum()
+
+
+@pytest.mark.parametrize("compose", [
+    lambda lib, f: lib.grad(lambda x: lib.grad(lambda x: lib.grad(f)(x).sum())(x).sum()),
+    lambda lib, f: lib.jacrev(lib.jacrev(lib.jacrev(f))),
+    lambda lib, f: lib.grad(lambda x: lib.jacrev(lib.jacrev(f))(x).sum()),
+], ids=["grad(grad(grad))", "jacrev(jacrev(jacrev))", "grad(jacrev(jacrev))"])
+def test_zero_second_derivative_into_an_in_place_write_through_a_view(compose):
+    """``abs``'s second derivative, zeros made in a level's backward pass, reaches the
+    backward of an in-place write through a view (CopySlices), which writes the values
+    of the levels around into a copy of it. Plain zeros there were a captured tensor to
+    those levels (CapturedMutationError); they now belong to the levels around the one
+    running backward. Found by the property tests."""
+    x = torch.randn(3, 4, dtype=torch.float64)
+    assert_tree_close(compose(tl, _write_through_view_then_abs)(x),
+                      compose(tf, _write_through_view_then_abs)(x))
+
+
+@pytest.mark.parametrize("lib, error", [(tl, UnbatchedWriteError), (tf, RuntimeError)],
+                         ids=["torchlevels", "torch.func"])
+def test_zero_second_derivative_into_a_write_under_vmap_raises_as_in_torch_func(lib, error):
+    """Under vmap the zeros stay unbatched, and the write of batched values into them
+    raises, as torch.func's does: not a silent wrong answer."""
+    x = torch.randn(3, 4, dtype=torch.float64)
+    g3 = lib.grad(lambda x: lib.grad(lambda x: lib.grad(
+        _write_through_view_then_abs)(x).sum())(x).sum())
+    with pytest.raises(error, match="vmapped over"):
+        lib.vmap(g3)(x)
+
+
+def test_memory_flat_over_repeated_failing_backward_passes():
+    """PyTorch's engine keeps the last backward pass that raised (and the level tensors
+    in its traceback) until the next backward pass on the thread: failing calls hold at
+    most that one, and a later backward pass frees it."""
+    g2 = tl.vmap(tl.grad(lambda x: tl.grad(_write_through_view_then_abs)(x).sum()))
+    x = torch.randn(3, 4, dtype=torch.float64)
+    gc.collect()
+    classes = set(LevelTensor.__subclasses__())
+    for _ in range(20):
+        with pytest.raises(UnbatchedWriteError):
+            g2(x)
+    gc.collect()
+    assert len(set(LevelTensor.__subclasses__()) - classes) <= 1
+    a = torch.ones(2, requires_grad=True)
+    torch.autograd.grad(a.sum(), a)
+    gc.collect()
+    assert set(LevelTensor.__subclasses__()) <= classes
+
+
 @pytest.mark.parametrize("name", ["vmap(grad)", "jvp", "jacrev", "hessian",
                                   "vmap(grad) with hooks"])
 def test_memory_flat_over_repeated_autodiff_calls(name):
@@ -1250,6 +1304,7 @@ def test_memory_flat_over_repeated_autodiff_calls(name):
     for _ in range(100):  # caches filled
         call()
     gc.collect()
+    classes = set(LevelTensor.__subclasses__())  # an earlier test's failed backward may hold one
     tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0]
     for _ in range(500):  # a level class or graph kept per call would be >= 1 KiB each
@@ -1258,7 +1313,7 @@ def test_memory_flat_over_repeated_autodiff_calls(name):
     after = tracemalloc.get_traced_memory()[0]
     tracemalloc.stop()
     assert after - before < 256 * 1024, f"memory grew by {after - before} bytes"
-    assert len(LevelTensor.__subclasses__()) == 0  # no level class kept alive
+    assert set(LevelTensor.__subclasses__()) <= classes  # no level class kept alive
 
 
 # -- the imperative API ---------------------------------------------------------------

@@ -138,6 +138,7 @@ class GradLevel(Level):
         # whether an op read a captured tensor that autograd outside tracks: then the
         # backward pass must be recorded for it too, as when an input requires grad
         self.captures_tracked = False
+        self.in_backward = False  # its backward pass runs (see backward_pass)
 
     def wrap(self, cls, tensor: torch.Tensor) -> torch.Tensor:
         """``G(t)``: ``t`` as an input of this level (a fresh leaf of its graph)."""
@@ -404,10 +405,35 @@ def _real_zeros_in_backward(op, args: tuple, kwargs: dict) -> torch.Tensor:
     real zeros. PyTorch's ZeroTensor kernels run above the Python key: a product of a
     ZeroTensor and a level's tensor would be a plain tensor the level never saw, with
     autograd's record of the op on the level's tensors as its history, and the level's
-    tensors would escape in it (``vmap(grad(grad(f)))`` with autograd on top)."""
+    tensors would escape in it (``vmap(grad(grad(f)))`` with autograd on top).
+
+    With grad levels alone live, the zeros are constants of them (of the levels around
+    the one whose backward pass runs): plain, they would be captured tensors to those
+    levels, which refuse writes of their values into them, and the backward of an
+    in-place write through a view writes into a copy of the gradient. Where a jvp level
+    is live, the request may come from its forward AD run beneath the levels, which
+    wants plain zeros; vmap levels around leave them unbatched, as torch.func does."""
     if torch._C._current_autograd_node() is None:  # forward AD's zero tangents stay
         return predispatch.passed_by(op, args, kwargs)
-    return torch.zeros(*args, **{k: v for k, v in kwargs.items() if v is not None})
+    zeros = torch.zeros(*args, **{k: v for k, v in kwargs.items() if v is not None})
+    levels = autodiff_classes(innermost())
+    if all(isinstance(cls._level, GradLevel) for cls in levels):
+        for cls in reversed(levels):  # outermost first
+            if cls._level.in_backward:
+                break  # the pass computes on the tensors of the levels outside this one
+            zeros = constant(cls, zeros)
+    return zeros
+
+
+@contextlib.contextmanager
+def backward_pass(cls) -> Iterator[None]:
+    """Mark grad level ``cls`` as running its backward pass for the block."""
+    level = cls._level
+    before, level.in_backward = level.in_backward, True
+    try:
+        yield
+    finally:
+        level.in_backward = before
 
 
 predispatch.intercept(torch.ops.aten._efficientzerotensor.default, _real_zeros_in_backward)

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from torchlevels._level import LevelTensor, innermost, wrap_inner
-from torchlevels.autodiff import GradLevel
+from torchlevels.autodiff import GradLevel, backward_pass
 
 pytorch_grad = torch.autograd.grad  # PyTorch's own, for calls on the tensors levels wrap
 
@@ -76,8 +76,9 @@ def grad(outputs: Any, inputs: Any, grad_outputs: Any = None, *args: Any, **kwar
     if grad_outputs is not None:
         grad_outputs = [g._inner if type(g) is cls else g
                         for g in (_tensors(grad_outputs) or grad_outputs)]
-    results = pytorch_grad([t._inner for t in outs], [t._inner for t in ins], grad_outputs,
-                           *args, **kwargs)
+    with backward_pass(cls):
+        results = pytorch_grad([t._inner for t in outs], [t._inner for t in ins],
+                               grad_outputs, *args, **kwargs)
     return tuple(None if r is None else wrap_inner(cls, r) for r in results)
 
 

@@ -26,6 +26,7 @@ from torchlevels.autodiff import (
     CapturedMutationError,
     GradLevel,
     autodiff_classes,
+    backward_pass,
     grad_level,
     jvp_level,
     requires_grad_within,
@@ -125,8 +126,9 @@ def grad_and_value(func: Callable, argnums: int | tuple[int, ...] = 0,
             leaves = [w._inner for w in wrapped]
             grads = [None] * len(leaves)
             if isinstance(out_inner, torch.Tensor) and out_inner.requires_grad:
-                grads = list(pytorch_grad(out_inner, leaves, allow_unused=True,
-                                          create_graph=keep))
+                with backward_pass(G):
+                    grads = list(pytorch_grad(out_inner, leaves, allow_unused=True,
+                                              create_graph=keep))
             grads = [torch.zeros_like(t) if g is None else g for g, t in zip(grads, flat)]
             value = out_inner if keep else shallow_copy(out_inner)
             if has_aux:
