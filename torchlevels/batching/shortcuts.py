@@ -87,10 +87,28 @@ def foreign_call(func, types, args, kwargs):
     others = tuple(t for t in types if not issubclass(t, LevelTensor)
                    and getattr(t.__torch_function__, "__func__", None) is not _TENSOR_DEFAULT)
     for t in others:
-        out = t.__torch_function__(func, others, args, kwargs)
+        try:
+            out = t.__torch_function__(func, others, args, kwargs)
+        except RuntimeError as error:
+            if "already associated to a python object" not in str(error):
+                raise
+            name = t.__name__
+            # not a TypeError, which a binary operator turns into "unsupported operand"
+            raise RuntimeError(
+                f"{name}.__torch_function__ made the result of {_name(func)} a {name}, as "
+                "torch.Tensor.__torch_function__ (reached through super()) does, but the "
+                "result is a tensor of a torchlevels transform, which cannot change its "
+                f"class. Let {name} handle ops in __torch_dispatch__ instead (with "
+                "__torch_function__ = torch._C._disabled_torch_function_impl), which "
+                "composes with the transforms, or keep its tensors out of them."
+            ) from error
         if out is not NotImplemented:
             return out
     return NotImplemented if others else _disabled(func, types, args, kwargs)
+
+
+def _name(func: Callable) -> str:
+    return getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
 
 
 _TENSOR_DEFAULT = torch.Tensor.__torch_function__.__func__
