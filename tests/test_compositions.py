@@ -367,6 +367,24 @@ def test_write_through_a_view_under_forward_ad_and_vmap(chain, in_dim):
         ft.vmap(compose(ft, chain, _write_through_view), in_dims=in_dim)(x))
 
 
+def _write_through_an_empty_view(x):
+    y = x.clone()
+    y.narrow(0, 1, 0).expand(2, 0, N).mul_(3.0)  # a write of nothing
+    return y * x
+
+
+@pytest.mark.parametrize("in_dim", [0, 1])
+@pytest.mark.parametrize("chain", [("jacfwd",), ("jvp",), ("jacfwd", "jacrev")], ids=str)
+def test_forward_ad_of_an_empty_view_under_vmap(chain, in_dim):
+    # an empty view's primal and tangent see storages of different sizes, which forward
+    # AD compares before it takes the tangent: PyTorch's internal assert failed there
+    # (found by a differential fuzzer of view chains and writes)
+    x = torch.randn(3, 2, N, dtype=DTYPE).movedim(0, in_dim).contiguous()
+    torch.testing.assert_close(
+        tl.vmap(compose(tl, chain, _write_through_an_empty_view), in_dims=in_dim)(x),
+        ft.vmap(compose(ft, chain, _write_through_an_empty_view), in_dims=in_dim)(x))
+
+
 def test_jvp_outside_a_vmap_over_dim_1_of_a_grad_writing_through_a_view():
     x = torch.randn(2, 2, dtype=DTYPE)
     g = lambda lib: lib.vmap(lib.grad(lambda a: _write_through_view(a).sum()), in_dims=1)
