@@ -854,6 +854,30 @@ def test_torch_autograd_grad_inside_a_grad_level_as_in_torch_func(composition):
                       AUTOGRAD_GRAD_INSIDE[composition](tf))
 
 
+@pytest.mark.parametrize("inner", ["vjp", "vjp(jacrev)"])
+def test_a_vjp_made_inside_grad_is_not_taken_for_a_call_at_the_grad_level(inner):
+    """vjp_fn runs PyTorch's autograd on the grad level's tensors: with one output a
+    plain tensor tracked outside (it depends on a captured c alone), it was taken for a
+    user's torch.autograd.grad at the grad level and refused (found by the property
+    tests)."""
+    def run(lib):
+        x = torch.tensor([1.2328, -0.4], dtype=torch.float64).requires_grad_()
+        c = torch.tensor([0.3, 0.9], dtype=torch.float64).requires_grad_()
+        f = lambda t: t * c.cos() + t  # noqa: E731  (its Jacobian depends on c alone)
+        g = f if inner == "vjp" else lib.jacrev(f)
+
+        def vjp_ones(v):
+            out, vjp_fn = lib.vjp(g, v)
+            return vjp_fn(torch.ones_like(out) * v)[0]
+
+        out = lib.grad(lambda v: vjp_ones(v).sum())(x)
+        grads = (torch.autograd.grad(out.sum(), (x, c), allow_unused=True)
+                 if out.requires_grad else (None, None))  # no history counts as zero
+        return out, [torch.zeros(2, dtype=torch.float64) if g is None else g for g in grads]
+
+    assert_tree_close(run(tl), run(tf))
+
+
 def test_torch_autograd_grad_inside_grad_on_a_tensor_of_no_level_raises_clearly():
     def f(v):
         (g,) = torch.autograd.grad(v.sum(), torch.ones(3, requires_grad=True))

@@ -23,6 +23,7 @@ Example::
 
 from __future__ import annotations
 
+import contextvars
 import functools
 from typing import Any
 
@@ -31,7 +32,25 @@ import torch
 from torchlevels._level import LevelTensor, innermost, wrap_inner
 from torchlevels.autodiff import GradLevel, backward_pass
 
-pytorch_grad = torch.autograd.grad  # PyTorch's own, for calls on the tensors levels wrap
+pytorch_grad = torch.autograd.grad  # PyTorch's own
+# set while a level's own call is handed back to torch.autograd.grad (see own_grad)
+_own_call: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "torchlevels_own_grad_call", default=False)
+
+
+def own_grad(outputs: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+    """PyTorch's ``torch.autograd.grad``, for a level's own calls on the tensors levels
+    wrap. PyTorch hands a call on tensors with ``__torch_function__`` back to
+    ``torch.autograd.grad``, which is :func:`grad` below: the mark set here keeps it from
+    being taken for a user's call at the innermost grad level (``vjp_fn`` of a vjp made
+    inside ``grad`` runs on that level's tensors)."""
+    if not torch._C._has_torch_function((*(_tensors(outputs) or ()), *(_tensors(inputs) or ()))):
+        return pytorch_grad(outputs, inputs, *args, **kwargs)
+    token = _own_call.set(True)
+    try:
+        return pytorch_grad(outputs, inputs, *args, **kwargs)
+    finally:
+        _own_call.reset(token)
 
 
 def _tensors(arg: Any) -> list | None:
@@ -69,6 +88,9 @@ def _at_grad_level(outputs: Any, inputs: Any) -> tuple[type[LevelTensor], list, 
 def grad(outputs: Any, inputs: Any, grad_outputs: Any = None, *args: Any, **kwargs: Any
          ) -> Any:
     # PyTorch's docstring (functools.wraps): this is torch.autograd.grad from now on
+    if _own_call.get():
+        _own_call.set(False)  # calls made while this one runs are the user's again
+        return pytorch_grad(outputs, inputs, grad_outputs, *args, **kwargs)
     found = _at_grad_level(outputs, inputs)
     if found is None:
         return pytorch_grad(outputs, inputs, grad_outputs, *args, **kwargs)

@@ -32,7 +32,7 @@ from torchlevels.autodiff import (
     requires_grad_within,
     shallow_copy,
 )
-from torchlevels.autograd_grad import pytorch_grad
+from torchlevels.autograd_grad import own_grad
 from torchlevels.batching.pointwise import UnbatchedWriteError
 from torchlevels.vmap import BatchLevel, vmap
 
@@ -127,7 +127,7 @@ def grad_and_value(func: Callable, argnums: int | tuple[int, ...] = 0,
             grads = [None] * len(leaves)
             if isinstance(out_inner, torch.Tensor) and out_inner.requires_grad:
                 with backward_pass(G):
-                    grads = list(pytorch_grad(out_inner, leaves, allow_unused=True,
+                    grads = list(own_grad(out_inner, leaves, allow_unused=True,
                                               create_graph=keep))
             grads = [torch.zeros_like(t) if g is None else g for g, t in zip(grads, flat)]
             value = out_inner if keep else shallow_copy(out_inner)
@@ -227,7 +227,7 @@ def vjp(func: Callable, *primals: Any, has_aux: bool = False) -> tuple:
                 inputs_require_grad or bool(autodiff_classes(innermost()))
                 or any(c.requires_grad for _, c in tracked)
             )
-            grads = list(pytorch_grad(
+            grads = list(own_grad(
                 [o for o, _ in tracked], leaves, [c for _, c in tracked], retain_graph=True,
                 create_graph=create_graph, allow_unused=True,
             ))
