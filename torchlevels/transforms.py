@@ -128,7 +128,7 @@ def grad_and_value(func: Callable, argnums: int | tuple[int, ...] = 0,
             if isinstance(out_inner, torch.Tensor) and out_inner.requires_grad:
                 with backward_pass(G):
                     grads = list(own_grad(out_inner, leaves, allow_unused=True,
-                                              create_graph=keep))
+                                          create_graph=keep))
             grads = [torch.zeros_like(t) if g is None else g for g, t in zip(grads, flat)]
             value = out_inner if keep else shallow_copy(out_inner)
             if has_aux:
