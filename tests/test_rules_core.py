@@ -154,6 +154,8 @@ REDUCTIONS = {
     "argsort": lambda x: x.argsort(-1),
     "topk": lambda x: x.topk(2, dim=0),
     "kthvalue": lambda x: x.kthvalue(2, 1),
+    "hash_tensor_all": lambda x: torch.hash_tensor(x),  # no reduction tag: dim=[] is all
+    "hash_tensor_dims": lambda x: torch.hash_tensor(x, (0, -1), keepdim=True),
 }
 
 
@@ -169,11 +171,12 @@ def test_argmax_keepdim_without_dim_matches_eager():
     torch.testing.assert_close(vmap(f)(x), loop_reference(f, (x,), (0,)))
 
 
-@pytest.mark.parametrize("name", ["sum_all", "sum_keepdim", "softmax", "cumsum", "max_all"])
+@pytest.mark.parametrize("name", ["sum_all", "sum_keepdim", "softmax", "cumsum", "max_all",
+                                  "hash_tensor"])
 def test_dim_ops_on_zero_dim_logical_tensors(name):
     f = {"sum_all": lambda x: x.sum(0), "sum_keepdim": lambda x: x.sum(0, keepdim=True),
          "softmax": lambda x: x.softmax(0), "cumsum": lambda x: x.cumsum(0),
-         "max_all": lambda x: x.max()}[name]
+         "max_all": lambda x: x.max(), "hash_tensor": torch.hash_tensor}[name]
     check(f, (5,), in_dims=[(0,)])
 
 

@@ -29,7 +29,7 @@ def _dim_arg(func) -> tuple[int, str, str, object] | None:
 def dim_rule(func, args, dims, kwargs):
     """Batch an op that works along ``dim``/``dims`` of broadcast tensor inputs."""
     index, name, typ, default = _dim_arg(func)
-    reduction = torch.Tag.reduction in func.tags
+    reduction = torch.Tag.reduction in func.tags or func in _UNTAGGED_REDUCTIONS
     tensors = [(a, d) for a, d in zip(args, dims) if isinstance(a, torch.Tensor)]
     rank = max(a.dim() - (d is not None) for a, d in tensors)
     if len(tensors) > 1:  # e.g. softmax backward, cross: every tensor gets the batch dim
@@ -105,8 +105,9 @@ register(
     aten.median.dim, aten.nanmedian.dim, aten.mode, aten.glu, aten.linalg_cross,
     aten.cumsum_, aten.cumprod_, aten.squeeze.dim, aten.squeeze.dims,
     aten.glu_backward, aten.logsumexp, aten.nansum, aten.count_nonzero,
-    aten._fft_c2c, aten._fft_r2c, aten._fft_c2r,
+    aten._fft_c2c, aten._fft_r2c, aten._fft_c2r, aten.hash_tensor,
 )(dim_rule)
+_UNTAGGED_REDUCTIONS = {aten.hash_tensor.default}  # an empty dim list means every dim
 
 
 def _full(reduce_flat):
