@@ -244,6 +244,18 @@ def test_solve(a_batch, b_shape, dims, left):
     check(lambda a, b: linalg.solve_ex(a, b, left=left), a, b, in_dims=dims, against_func=False)
 
 
+@pytest.mark.parametrize("left", [True, False])
+@pytest.mark.parametrize("a_batch", [(), (2,)])
+def test_solve_unbatched_rhs_shaped_like_a_batch_of_vectors(left, a_batch):
+    # with n == B, an unbatched B of shape (n, B) passed on as is beside the physical A
+    # (B, n, n) is what torch reads as a batch of vectors: wrong shape or an error before
+    a = general(*a_batch, n=B)
+    b = torch.randn(B, B, dtype=torch.float64)
+    solve = functools.partial(linalg.solve, left=left)
+    # torch.func.vmap rejects the broadcast of B against A's own batch dim; the loop does not
+    check(solve, a, b, in_dims=(0, None), against_func=not a_batch)
+
+
 def test_solve_unbatched_matrix_is_one_factorization():
     a, b = general()[0], rand(N, 2)
     with torch.profiler.profile(record_shapes=True) as prof:
