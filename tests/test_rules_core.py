@@ -110,6 +110,17 @@ def test_view_of_examples_that_cannot_be_viewed_raises(in_dim):
     check_vmap(g, x, in_dims=in_dim)
 
 
+@pytest.mark.parametrize("in_dim", [1, 2, -1])
+def test_contiguous_makes_each_example_contiguous(in_dim):
+    # examples already contiguous in the batch's own layout, the batch dim inside: a
+    # contiguous copy that kept it there left the examples unviewable (instance_norm views)
+    x = torch.randn(2, 3, 3, 4, dtype=torch.float64).transpose(0, 2).movedim(1, in_dim)
+    check_vmap(lambda v: v.contiguous().view(-1), x, in_dims=in_dim)
+    check_vmap(torch.nn.functional.instance_norm, x, in_dims=in_dim)
+    strides = vmap(lambda v: torch.tensor(v.contiguous().stride()), in_dim)(x)
+    assert strides.tolist() == [list(x.select(in_dim, 0).contiguous().stride())] * 3
+
+
 def test_views_alias_their_base():
     def f(x):
         y = x.clone()

@@ -183,6 +183,8 @@ def like_rule(func, args, dims, kwargs):
     memory_format = kwargs.get("memory_format")
     if memory_format in _CHANNELS_LAST:
         return _channels_last(func, args, dims, kwargs, memory_format)
+    if memory_format is torch.contiguous_format and dims[0]:  # contiguous examples too
+        return func(to_front(args[0], dims[0]), *args[1:], **kwargs), 0
     return func(*args, **kwargs), dims[0]
 
 
