@@ -31,12 +31,8 @@ XFAILS: dict[str, dict[str, str]] = {
             'nn.functional.linear_cross_entropy.chunked_none'),
     },
     'jacfwd': {
-        **_each('core: forward-AD view of a level tensor: has_fw_view INTERNAL ASSERT',
-            'fft.hfft', 'fft.hfft2', 'fft.hfftn'),
         **_each('both: torch.func fails too: RuntimeError: Error: aten::as_strided_scatter requires special handling, and does not yet ',
             'as_strided_scatter'),
-        **_each("both: torch.func fails too: RuntimeError: Batching rule not implemented for aten::_neg_view; the fallback path doesn't",
-            'fft.ifft', 'fft.ihfft', 'fft.ihfftn'),
     },
     'hessian': {
         **_each("core: order-dependent: the sample is not symmetric, and PyTorch's cholesky/eigh "

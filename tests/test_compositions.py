@@ -763,3 +763,111 @@ def test_forward_mode_refuses_an_op_whose_decomposition_is_wrong():
     f = lambda x: torch.nn.functional.multilabel_margin_loss(x, labels)
     with pytest.raises(NotImplementedError, match="multilabel_margin_loss_forward"):
         tl.jacfwd(f)(torch.randn(1, 5, dtype=DTYPE))
+
+
+# -- complex intermediates: conj and neg views ------------------------------------------
+# A level's tensor shows the conj/neg bit of the tensor it stands for, as a plain tensor
+# would: PyTorch then resolves the bit before ops that need it, forward AD finds a
+# tangent laid out as its primal, and a write through ``conj()`` reaches its base.
+# Before, jacfwd through any complex intermediate hit a PyTorch internal assert, and
+# vmap and grad gave such writes to a copy (silently wrong).
+
+
+def _conj_write(z):
+    y = z * 1
+    y.conj().mul_(2j)  # writes y through its conjugate view
+    return y
+
+
+def _base_write_after_conj(z):
+    y = z * 1
+    c = y.conj()
+    y.mul_(1j)  # the view sees it
+    return c * 1
+
+
+def _imag_of_conj_write(z):
+    y = z * 1
+    y.conj().imag.mul_(3)  # the imaginary part of the conjugate: a neg view of y's
+    return y
+
+
+COMPLEX_FUNCTIONS = {
+    "exp_real": lambda z: torch.exp(1j * z.real).real + z.imag,
+    "abs": torch.abs,
+    "conj_imag": lambda z: z.conj().imag,
+    "fft": lambda z: torch.fft.fft(z.conj()),
+    "conj_write": _conj_write,
+    "base_write_after_conj": _base_write_after_conj,
+    "imag_of_conj_write": _imag_of_conj_write,
+}
+
+
+def _through_complex(lib, body):
+    """A real function of a real vector through the complex function ``body``."""
+    def f(x):
+        out = body(torch.complex(x, x.cos()))
+        out = torch.view_as_real(out.resolve_conj()) if out.is_complex() else out
+        return out.pow(2).sum()
+
+    return f
+
+
+COMPLEX_TRANSFORMS = {
+    "grad": lambda lib, f: lib.grad(f),
+    "jacfwd": lambda lib, f: lib.jacfwd(f),
+    "jvp(jvp)": lambda lib, f: lambda x: lib.jvp(
+        lambda y: lib.jvp(f, (y,), (y.sin(),))[1], (x,), (x.cos(),))[1],
+    "hessian": lambda lib, f: lib.hessian(f),
+    "jacfwd(jacfwd)": lambda lib, f: lib.jacfwd(lib.jacfwd(f)),
+    "grad(grad)": lambda lib, f: lib.grad(lambda x: lib.grad(f)(x).sum()),
+    "vmap(grad)": lambda lib, f: lib.vmap(lib.grad(f)),
+    "vmap(jacfwd)": lambda lib, f: lib.vmap(lib.jacfwd(f)),
+}
+
+
+def _autograd_reference(transform: str, f: Callable, x: torch.Tensor) -> torch.Tensor:
+    """``transform`` of scalar ``f`` by torch.autograd, for where torch.func raises."""
+    from torch.autograd.functional import hessian, jacobian
+
+    if transform in ("hessian", "jacfwd(jacfwd)"):
+        return hessian(f, x)
+    if transform in ("jacfwd", "grad"):
+        return jacobian(f, x)
+    assert transform in ("vmap(grad)", "vmap(jacfwd)"), transform
+    return torch.stack([jacobian(f, row) for row in x])
+
+
+@pytest.mark.parametrize("transform", COMPLEX_TRANSFORMS)
+@pytest.mark.parametrize("name", COMPLEX_FUNCTIONS)
+def test_complex_intermediates_match_torch_func(name, transform):
+    body = COMPLEX_FUNCTIONS[name]
+    x = torch.randn(3, 4, dtype=DTYPE, generator=torch.Generator().manual_seed(7))
+    x = x if transform.startswith("vmap") else x[0]
+    compose = COMPLEX_TRANSFORMS[transform]
+    try:
+        expected = compose(ft, _through_complex(ft, body))(x)
+    except RuntimeError as e:  # torch.func has no batching rule for imag's neg view
+        assert "aten::_neg_view" in str(e), e
+        expected = _autograd_reference(transform, _through_complex(torch, body), x)
+    torch.testing.assert_close(compose(tl, _through_complex(tl, body))(x), expected)
+
+
+@pytest.mark.parametrize("name", ["conj_write", "base_write_after_conj", "imag_of_conj_write",
+                                  "conj_imag"])
+@pytest.mark.parametrize("in_dim", [0, 1])
+def test_vmap_of_writes_through_conjugate_views(name, in_dim):
+    f = COMPLEX_FUNCTIONS[name]
+    z = torch.randn(3, 4, dtype=torch.complex128).movedim(0, in_dim)
+    expected = torch.stack([f(v) for v in z.unbind(in_dim)])
+    torch.testing.assert_close(tl.vmap(f, in_dims=in_dim)(z), expected)
+    if name not in ("imag_of_conj_write", "conj_imag"):  # no torch.func rule for _neg_view
+        torch.testing.assert_close(ft.vmap(f, in_dims=in_dim)(z), expected)
+
+
+def test_view_as_real_of_a_conjugate_view_raises_under_vmap_as_in_a_loop():
+    z = torch.randn(3, 4, dtype=torch.complex128)
+    with pytest.raises(RuntimeError, match="unresolved conjugated"):
+        torch.view_as_real(z[0].conj())
+    with pytest.raises(RuntimeError, match="unresolved conjugated"):
+        tl.vmap(lambda v: torch.view_as_real(v.conj()))(z)

@@ -1433,7 +1433,7 @@ def test_grad_level_wrap_rejects_non_tensors():
 
 
 def test_conjugate_views_inside_grad_match_torch_func():
-    """A grad-level tensor cannot show a conj bit: conj views are materialized, in the graph."""
+    """A grad-level tensor shows its inner tensor's conj and neg bits, as a plain one would."""
     x = torch.randn(3, dtype=torch.float64)
 
     def f(v):

@@ -225,6 +225,9 @@ def wrap_inner(cls: type[LevelTensor], inner: torch.Tensor) -> LevelTensor:
         dtype=inner.dtype, device=inner.device,
     )
     out._inner = inner
+    if inner.is_conj() or inner.is_neg():  # a lazy view such as conj(): shown on ours too
+        torch._C._set_conj(out, inner.is_conj())
+        torch._C._set_neg(out, inner.is_neg())
     return out
 
 

@@ -198,8 +198,6 @@ class GradLevel(Level):
                     raise
                 out = func(*map(_normal_arg, inner_args),
                            **{k: _normal_arg(v) for k, v in inner_kwargs.items()})
-            if not inplace:
-                out = _resolve_lazy_bits(out)  # recorded by autograd, so inside the block
         if inplace:
             self_ = args[0]
             follow_inner(self_)
@@ -388,16 +386,6 @@ def _rebind_to_view(self_: torch.Tensor, view, inner_args: list, inner_kwargs: d
     self_._inner = inner
     follow_inner(self_)
     return self_
-
-
-def _resolve_lazy_bits(out: Any) -> Any:
-    """Materialize conj/neg views: a wrapper cannot show the bit, and kernels run on the
-    wrapper would ignore it (``.imag`` of a conjugated tensor)."""
-    if isinstance(out, torch.Tensor):
-        return out.resolve_conj().resolve_neg() if out.is_conj() or out.is_neg() else out
-    if isinstance(out, (tuple, list)):
-        return type(out)(_resolve_lazy_bits(o) for o in out)
-    return out
 
 
 def _real_zeros_in_backward(op, args: tuple, kwargs: dict) -> torch.Tensor:

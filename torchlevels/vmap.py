@@ -217,19 +217,24 @@ def _pointwise_fast_path(cls, func, args, kwargs):
 
 def wrap_batched(cls, inner: torch.Tensor, bdim: int) -> torch.Tensor:
     """A tensor of vmap level ``cls`` whose batch dim is ``bdim`` of ``inner``."""
-    if inner.is_conj() or inner.is_neg():  # lazy bits that kernels in rules would ignore
-        inner = inner.resolve_conj().resolve_neg()
     if bdim == 0:
-        return wrap_front(cls, inner)
-    shape = inner.shape
-    strides = inner.stride()
-    # strides and offset are those of example 0 (forward AD compares views' layouts)
-    out = _make_wrapper_subclass(
-        cls, shape[:bdim] + shape[bdim + 1 :], strides=strides[:bdim] + strides[bdim + 1 :],
-        storage_offset=inner.storage_offset(), dtype=inner.dtype, device=inner.device,
-    )
-    out._inner = inner
-    out._bdim = bdim
+        out = wrap_front(cls, inner)
+    else:
+        shape = inner.shape
+        strides = inner.stride()
+        # strides and offset are those of example 0 (forward AD compares views' layouts)
+        out = _make_wrapper_subclass(
+            cls, shape[:bdim] + shape[bdim + 1 :], strides=strides[:bdim] + strides[bdim + 1 :],
+            storage_offset=inner.storage_offset(), dtype=inner.dtype, device=inner.device,
+        )
+        out._inner = inner
+        out._bdim = bdim
+    if inner.is_conj() or inner.is_neg():
+        # a lazy view (conj(), an imag of one): the wrapper shows the bit as well, so that
+        # PyTorch resolves it before ops that need it resolved, as for a plain tensor,
+        # and writes through the view reach its base
+        torch._C._set_conj(out, inner.is_conj())
+        torch._C._set_neg(out, inner.is_neg())
     return out
 
 

@@ -141,7 +141,7 @@ def wrap_all_front(cls, out: Any) -> Any:
 
 def _own(cls, a: Any) -> torch.Tensor | None:
     """The physical tensor of ``a`` if it is ours, batched first, and nothing needs grad."""
-    if type(a) is not cls or a._bdim or a.requires_grad:
+    if type(a) is not cls or a._bdim or a.requires_grad or a.is_conj() or a.is_neg():
         return None
     inner = a._inner
     return inner if _passable(inner) else None
