@@ -434,6 +434,23 @@ def test_hessian_through_batch_norm_in_training_mode():
     torch.testing.assert_close(hessian(f)(x), torch.autograd.functional.hessian(f, x))
 
 
+@pytest.mark.parametrize("norm", ["eval", "train", "instance", "train_affine"])
+def test_forward_over_reverse_through_batch_norm(norm):
+    """jacfwd(jacrev(f)), torch.func's hessian: forward AD has no formula for the
+    backward, whose decomposition gives masked-off gradients as placeholders."""
+    from torchlevels import jacfwd, jacrev
+
+    x = torch.randn(3, 2, 2, dtype=torch.float64)
+    rm, rv = torch.zeros(2, dtype=torch.float64), torch.full((2,), 2.0, dtype=torch.float64)
+    w = torch.randn(2, dtype=torch.float64)
+    f = {"eval": lambda y: F.batch_norm(y, rm, rv, training=False).sin(),
+         "train": lambda y: F.batch_norm(y, None, None, training=True).sin(),
+         "instance": lambda y: F.instance_norm(y).sin(),
+         "train_affine": lambda y: F.batch_norm(y, None, None, w, w, training=True).sin()}[norm]
+    torch.testing.assert_close(jacfwd(jacrev(f))(x),
+                               torch.func.jacfwd(torch.func.jacrev(f))(x))
+
+
 def test_batch_norm_training_updates_batched_running_stats():
     x = torch.randn(B, 4, 5, 3)
     rm0, rv0 = torch.randn(B, 5), torch.rand(B, 5) + 0.5

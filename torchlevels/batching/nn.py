@@ -402,7 +402,10 @@ def batch_norm_backward(func, args, dims, kwargs):
     go, x = (materialize(t, d, size).transpose(0, 1).flatten(1, 2)
              for t, d in zip((go, x), dims[:2]))
     stats = [per_channel(t, d) for t, d in zip((w, rm, rv, save_mean, save_invstd), dims[2:7])]
-    gi, gw, gb = func(go, x, *stats, train, eps, mask, *reserve)
+    # a decomposition (forward AD has no formula for this op) may give a masked-off
+    # gradient as a placeholder tensor: None, as the kernel gives
+    gi, gw, gb = (g if wanted else None for g, wanted in
+                  zip(func(go, x, *stats, train, eps, mask, *reserve), mask))
     gi = None if gi is None else gi.unflatten(1, (size, -1))
     gw, gb = (None if g is None else g.view(size, -1) for g in (gw, gb))
     return (gi, gw, gb), tuple(None if g is None else d for g, d in zip((gi, gw, gb), (1, 0, 0)))
