@@ -317,6 +317,19 @@ def test_lstsq(b_shape, dims, driver):
           against_func=len(b_shape) == 2)
 
 
+@pytest.mark.parametrize("dims", [(0, None), (0, 0)])
+@pytest.mark.parametrize("size", [2, 3])
+def test_lstsq_of_a_right_hand_side_one_dim_short_that_is_no_vector(dims, size):
+    # torch reads B (n, k) against A (1, n, n) its own way (the solution is (n, n, k)); a
+    # loop gives that, where the vector rule of solve gave (1, n, k) before
+    a = (torch.randn(size, 1, 2, 2, dtype=torch.float64)
+         + 4 * torch.eye(2, dtype=torch.float64))
+    b = at(torch.randn(size, 2, 3, dtype=torch.float64), dims[1])
+    ours = vmap(linalg.lstsq, dims)(a, b).solution
+    torch.testing.assert_close(ours, torch.stack([
+        linalg.lstsq(a[i], b if dims[1] is None else b[i]).solution for i in range(size)]))
+
+
 @pytest.mark.parametrize("dims", [(0, None), (None, 0), (0, 0)])
 def test_tensorsolve_and_tensorinv(dims):
     a = at(general(), dims[0])

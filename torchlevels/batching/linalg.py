@@ -20,7 +20,7 @@ from torchlevels.batching.dims import (
     to_front,
     wrap_dim,
 )
-from torchlevels.batching.registry import batch_size, register
+from torchlevels.batching.registry import batch_size, loop_rule, register
 
 aten = torch.ops.aten
 
@@ -233,7 +233,12 @@ def linalg_lstsq(func, args, dims, kwargs):
     a, b, *rest = args
     da, db = dims[:2]
     check_ranks(func, args, dims, (2, 1), kwargs)
-    vector = _is_vector_rhs(logical_shape(a, da), logical_shape(b, db))
+    a_shape, b_shape = logical_shape(a, da), logical_shape(b, db)
+    vector = _is_vector_rhs(a_shape, b_shape)
+    if len(b_shape) == len(a_shape) - 1 and not vector:
+        # torch reads such a B its own way (A (1, n, n), B (n, k) gives (n, n, k)): one
+        # example at a time, as it would
+        return loop_rule(func, args, dims, kwargs)
     if vector:
         b = to_front(b, db).unsqueeze(-1)
         db = None if db is None else 0
