@@ -225,10 +225,18 @@ def wrap_inner(cls: type[LevelTensor], inner: torch.Tensor) -> LevelTensor:
         dtype=inner.dtype, device=inner.device,
     )
     out._inner = inner
-    if inner.is_conj() or inner.is_neg():  # a lazy view such as conj(): shown on ours too
-        torch._C._set_conj(out, inner.is_conj())
-        torch._C._set_neg(out, inner.is_neg())
+    show_lazy_bits(out, inner)
     return out
+
+
+def show_lazy_bits(wrapper: LevelTensor, inner: torch.Tensor) -> None:
+    """The conj and neg bits of ``inner`` (a lazy view such as ``conj()``, or the ``imag``
+    of one) on ``wrapper`` too, as a plain tensor would show them: PyTorch then resolves
+    them before the ops that need it, forward AD finds a tangent laid out as its primal,
+    and writes through the view reach its base."""
+    if inner.is_conj() or inner.is_neg():
+        torch._C._set_conj(wrapper, inner.is_conj())
+        torch._C._set_neg(wrapper, inner.is_neg())
 
 
 def wrap_all(cls: type[LevelTensor], out: Any) -> Any:

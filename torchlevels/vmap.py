@@ -30,6 +30,7 @@ from torchlevels._level import (
     refuse_functional,
     requires_grad_flag,
     set_logical_meta,
+    show_lazy_bits,
     tracked_outside,
 )
 from torchlevels._torch_compile import eager
@@ -229,12 +230,7 @@ def wrap_batched(cls, inner: torch.Tensor, bdim: int) -> torch.Tensor:
         )
         out._inner = inner
         out._bdim = bdim
-    if inner.is_conj() or inner.is_neg():
-        # a lazy view (conj(), an imag of one): the wrapper shows the bit as well, so that
-        # PyTorch resolves it before ops that need it resolved, as for a plain tensor,
-        # and writes through the view reach its base
-        torch._C._set_conj(out, inner.is_conj())
-        torch._C._set_neg(out, inner.is_neg())
+    show_lazy_bits(out, inner)
     return out
 
 

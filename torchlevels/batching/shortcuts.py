@@ -140,7 +140,8 @@ def wrap_all_front(cls, out: Any) -> Any:
 
 
 def _own(cls, a: Any) -> torch.Tensor | None:
-    """The physical tensor of ``a`` if it is ours, batched first, and nothing needs grad."""
+    """The physical tensor of ``a`` if it is ours, batched first, nothing needs grad, and
+    it shows no conj or neg bit (which a view of it must show: the usual path does)."""
     if type(a) is not cls or a._bdim or a.requires_grad or a.is_conj() or a.is_neg():
         return None
     inner = a._inner
