@@ -205,8 +205,10 @@ def linalg_solve(func, args, dims, kwargs):
         a_batch, b_batch = logical_rank(a, da) - 2, b.dim() - (db is not None) - 2
         rank = max(a_batch, b_batch) + 2
         a = pad_to_rank(to_front(a, da), rank)
-        if db is None:  # a size-1 batch dim too, or torch could read B of shape (size, n)
-            b = b.reshape((1,) * (rank + 1 - b.dim()) + b.shape)  # as a batch of vectors
+        # an unbatched B gets a size-1 batch dim too, or torch could read B of shape
+        # (size, n) against A of shape (size, n, n) as a batch of vectors
+        if db is None:
+            b = b.reshape((1,) * (rank + 1 - b.dim()) + b.shape)
         else:
             b = pad_to_rank(to_front(b, db), rank)
         x, lu, pivots, info = func(a, b, **kwargs)
