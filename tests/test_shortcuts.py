@@ -130,12 +130,101 @@ CASES = {
     "permute(2, 0, 1)": (lambda x: x.permute(2, 0, 1), (torch.randn(4, 2, 3, 5),), 0, True),
     "torch.permute(x, (-1, 0))": (lambda x: torch.permute(x, (-1, 0)), (torch.randn(4, 2, 3),),
                                   0, True),
-    "sum (no shortcut)": (lambda x: x.sum(), (x4,), 0, False),
+    "clone (no shortcut)": (lambda x: x.clone(), (x4,), 0, False),
 }
 
+x3, m3 = torch.randn(4, 2, 1, 3), torch.rand(4, 2, 1, 3) > 0.5
+w3 = torch.randn(3)
+# calls along dims, indexing, products (the example's dims shift by one)
+CASES.update({
+    "sum(-1)": (lambda x: x.sum(-1), (x3,), 0, True),
+    "sum() of every dim": (lambda x: x.sum(), (x3,), 0, True),
+    "sum of a 0-dim example": (lambda x: x.sum(), (torch.randn(4),), 0, False),
+    "sum(dim=[]), every dim": (lambda x: x.sum(dim=[]), (x3,), 0, False),
+    "sum, dtype keyword": (lambda x: torch.sum(x, 0, dtype=torch.float64), (x3,), 0, True),
+    "mean((0, -1), keepdim=True)": (lambda x: x.mean((0, -1), keepdim=True), (x3,), 0, True),
+    "amax()": (lambda x: x.amax(), (x3,), 0, True),
+    "amin(dim=1)": (lambda x: torch.amin(x, dim=1), (x3,), 0, True),
+    "std(unbiased) of every dim": (lambda x: x.std(False), (x3,), 0, False),
+    "var(0, correction=0)": (lambda x: x.var(0, correction=0), (x3,), 0, True),
+    "std()": (lambda x: torch.std(x), (x3,), 0, True),
+    "logsumexp(-1)": (lambda x: x.logsumexp(-1), (x3,), 0, True),
+    "prod(1)": (lambda x: x.prod(1), (x3,), 0, True),
+    "argmax(-1)": (lambda x: x.argmax(-1), (x3,), 0, True),
+    "argmax() of the flattened example": (lambda x: x.argmax(), (x3,), 0, False),
+    "F.softmax(dim=-1)": (lambda x: F.softmax(x, dim=-1), (x3,), 0, True),
+    "F.log_softmax(x, 0)": (lambda x: F.log_softmax(x, 0), (x3,), 0, True),
+    "Tensor.softmax(1, dtype)": (lambda x: x.softmax(1, dtype=torch.float64), (x3,), 0, True),
+    "softmax, batch dim not first": (lambda x: x.softmax(-1), (x3,), 1, False),
+    "cumsum(dim=1)": (lambda x: x.cumsum(dim=1), (x3,), 0, True),
+    "split(2, -1)": (lambda x: x.split(2, -1), (x3,), 0, True),
+    "torch.split(x, [1, 1], dim=0)": (lambda x: torch.split(x, [1, 1], dim=0), (x3,), 0, True),
+    "chunk(2)": (lambda x: x.chunk(2), (x3,), 0, True),
+    "unbind(-1)": (lambda x: x.unbind(-1), (x3,), 0, True),
+    "narrow(-1, 1, 2)": (lambda x: x.narrow(-1, 1, 2), (x3,), 0, True),
+    "select(2, -1)": (lambda x: x.select(2, -1), (x3,), 0, True),
+    "F.normalize(x)": (lambda x: F.normalize(x), (x3,), 0, True),
+    "F.normalize(x, p=1, dim=-1)": (lambda x: F.normalize(x, p=1, dim=-1), (x3,), 0, True),
+    "linalg.vector_norm(x)": (torch.linalg.vector_norm, (x3,), 0, True),
+    "linalg.vector_norm(x, 3, -1)": (lambda x: torch.linalg.vector_norm(x, 3, -1), (x3,), 0,
+                                     True),
+    "squeeze()": (lambda x: x.squeeze(), (x3,), 0, True),
+    "squeeze() of a batch of one": (lambda x: x.squeeze(), (torch.randn(1, 2, 1),), 0, True),
+    "squeeze(1)": (lambda x: torch.squeeze(x, 1), (x3,), 0, True),
+    "squeeze((1, 0))": (lambda x: x.squeeze((1, 0)), (x3,), 0, True),
+    "layer_norm": (lambda x: F.layer_norm(x, (3,), w3, w3 * 2), (x3,), 0, True),
+    "layer_norm, shape as a torch.Size": (lambda x: F.layer_norm(x, x.shape[-2:]), (x3,), 0,
+                                          True),
+    "layer_norm, batched weight": (lambda x, w: F.layer_norm(x, (3,), w), (
+        x3, torch.randn(4, 3)), 0, False),
+    "rms_norm": (lambda x: F.rms_norm(x, [1, 3], eps=1e-3), (x3,), 0, True),
+    "x[0, ..., None, 1:]": (lambda x: x[0, ..., None, 1:], (x3,), 0, True),
+    "x[-1]": (lambda x: x[-1], (x3,), 0, True),
+    "x[()]": (lambda x: x[()], (x3,), 0, True),
+    "x[::2, 0]": (lambda x: x[::2, 0], (x3,), 0, True),
+    "x[tensor]": (lambda x: x[torch.tensor([1, 0])], (x3,), 0, False),
+    "x[True]": (lambda x: x[True], (x3,), 0, False),
+    "x[[1, 0]]": (lambda x: x[[1, 0]], (x3,), 0, False),
+    "expand(5, 2, 2, -1)": (lambda x: x.expand(5, 2, 2, -1), (x3,), 0, True),
+    "expand(torch.Size)": (lambda x: x.expand(torch.Size([2, 2, 3])), (x3,), 0, True),
+    "expand of a 0-dim example": (lambda x: x.expand(3), (torch.randn(4),), 0, True),
+    "torch.where(mask, x, 0.0)": (lambda m, x: torch.where(m, x, 0.0), (m3, x3), 0, True),
+    "x.where(mask, y), y unbatched": (lambda x, m, y: x.where(m, y), (x3, m3, w3),
+                                      (0, 0, None), True),
+    "masked_fill(mask, -inf)": (lambda x, m: x.masked_fill(m, float("-inf")), (x3, m3), 0,
+                                True),
+    "masked_fill, unbatched mask": (lambda x, m: x.masked_fill(m, 1), (x3, m3[0, 0]),
+                                    (0, None), True),
+    "masked_fill of an unbatched tensor": (lambda m: x3[0].masked_fill(m, 1), (m3,), 0, False),
+    "masked_fill, batched value": (lambda x, m, v: x.masked_fill(m, v), (
+        x3, m3, torch.randn(4)), 0, False),
+    "cat(dim=-1)": (lambda x: torch.cat([x, x * 2], dim=-1), (x3,), 0, True),
+    "cat with an unbatched tensor": (lambda x: torch.cat([x, x3[0]]), (x3,), 0, False),
+    "stack(dim=3)": (lambda x: torch.stack((x, x), 3), (x3,), 0, True),
+    "stack of 0-dim examples": (lambda x: torch.stack([x, x]), (torch.randn(4),), 0, True),
+    "matmul": (lambda a, b: a @ b, (torch.randn(4, 2, 3), torch.randn(4, 3, 5)), 0, True),
+    "matmul, unbatched stack of higher rank": (torch.matmul, (
+        torch.randn(4, 2, 3), torch.randn(6, 3, 5)), (0, None), True),
+    "matmul, unbatched on the left": (lambda a, b: a.matmul(b), (
+        torch.randn(6, 2, 3), torch.randn(4, 3, 5)), (None, 0), True),
+    "einsum": (lambda a, b: torch.einsum("ij, kj -> ik", a, b), (
+        torch.randn(4, 2, 3), torch.randn(5, 3)), (0, None), True),
+    "einsum with ellipses, both batched": (lambda a, b: torch.einsum("...ij,...jk->...ik", a, b), (
+        torch.randn(4, 6, 2, 3), torch.randn(4, 3, 5)), 0, True),
+    "einsum of a list": (lambda a: torch.einsum("ii->", [a]), (torch.randn(4, 3, 3),), 0, True),
+    "einsum, implicit output": (lambda a: torch.einsum("ij", a), (torch.randn(4, 2, 3),), 0,
+                                False),
+})
 
-@pytest.mark.parametrize("call", [lambda x: x.view(2, 2), lambda x: x.transpose(0, 2),
-                                  lambda x: x.permute(0), lambda x: x.reshape(7, -1)])
+
+@pytest.mark.parametrize("call", [
+    lambda x: x.view(2, 2), lambda x: x.transpose(0, 2), lambda x: x.permute(0),
+    lambda x: x.reshape(7, -1), lambda x: x.sum(2), lambda x: x.sum((0, 0)), lambda x: x[5],
+    lambda x: x[0, 0, 0], lambda x: x.expand(2), lambda x: torch.concat([x[0, 0], x[0, 0]]),
+    lambda x: torch.cat([x, x], 2), lambda x: x.softmax(-3), lambda x: x.split(1, 2),
+    lambda x: x.narrow(0, 1, 5), lambda x: x @ x, lambda x: torch.einsum("ij,jk->ik", x, x),
+    lambda x: F.layer_norm(x, (2,)), lambda x: torch.where(x > 0, x, torch.zeros(5)),
+], ids=range(18))
 def test_a_bad_view_raises_as_in_torch_func(call):
     x = torch.randn(4, 2, 3)
     with pytest.raises((RuntimeError, IndexError)) as theirs:
@@ -143,6 +232,17 @@ def test_a_bad_view_raises_as_in_torch_func(call):
     with pytest.raises((RuntimeError, IndexError)) as ours:
         vmap(call)(x)
     assert type(ours.value) is type(theirs.value)
+
+
+def test_matmul_of_a_vector_is_left_to_vmaps_composite_rule():
+    """A vector operand is no matrix of a stack: the shortcut declines (and vmap's rule for
+    the composite call, batching/composite.py, answers without the dispatcher)."""
+    vectors, matrices, vector = torch.randn(4, 3), torch.randn(4, 3, 5), torch.randn(3)
+    with vmap() as B:
+        vectors, matrices = B(vectors), B(matrices)
+        for a, b in [(vectors, matrices), (matrices.mT, vectors), (vectors, vector)]:
+            assert shortcuts.matmul(B, torch.matmul, (a, b), {}) is None
+    same(torch.matmul, torch.randn(4, 3), torch.randn(3, 5), in_dims=(0, None), shortcut=True)
 
 
 def test_a_chain_of_views_writes_through_to_its_base():

@@ -32,6 +32,7 @@ from torchlevels.batching.shortcuts import (
     POINTWISE_DUNDERS,
     POINTWISE_NAMES,
     no_shortcuts,
+    torch_and_tensor,
 )
 
 _no_subclass_torch_function = torch._C.DisableTorchFunctionSubclass
@@ -39,17 +40,13 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _EMPTY: dict = {}
 
 
-def _torch_and_tensor(*names: str) -> list:
-    return [getattr(m, n) for n in names for m in (torch, torch.Tensor) if hasattr(m, n)]
-
-
 ELEMENTWISE = frozenset((
-    *_torch_and_tensor(*POINTWISE_NAMES), *(getattr(torch.Tensor, n) for n in POINTWISE_DUNDERS),
+    *torch_and_tensor(*POINTWISE_NAMES), *(getattr(torch.Tensor, n) for n in POINTWISE_DUNDERS),
     *ACTIVATIONS,
 ))
 # calls that compute new tensors, or out-of-place views, from their arguments alone
 CALLS = ELEMENTWISE | frozenset((
-    *_torch_and_tensor("view", "reshape", "flatten", "unsqueeze", "squeeze", "transpose", "t",
+    *torch_and_tensor("view", "reshape", "flatten", "unsqueeze", "squeeze", "transpose", "t",
                        "permute", "matmul", "mm", "bmm", "sum", "mean", "softmax",
                        "log_softmax"),
     torch.Tensor.__matmul__, F.linear, F.softmax, F.log_softmax, F.cross_entropy, F.nll_loss,

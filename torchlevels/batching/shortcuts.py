@@ -4,10 +4,13 @@ A vmap level's ``__torch_dispatch__`` sees an op only after the dispatcher has t
 through the Python key, and a round trip there costs several microseconds per op: most
 of the time of a chain of small ops. For the calls that dominate everyday code
 (pointwise math, ``F.linear``, convolution and pooling of one example or of a batch
-of them, ``flatten``, ``unsqueeze``, ``view``/``reshape``, ``transpose``, ``permute``),
-the batched
-answer is the same call on the physical tensor with the batch dim first, so the level's
-``__torch_function__`` makes that call directly.
+of them, ``flatten``, ``unsqueeze``, ``view``/``reshape``, ``transpose``, ``permute``;
+reductions, softmax, ``split`` and kin along given dims, layer norm, basic indexing,
+``expand``, ``where``, ``cat``/``stack``, ``matmul``, ``einsum``), the batched answer is
+the same call on the physical tensor with the batch dim first (and the example's dims
+one further in), so the level's ``__torch_function__`` makes that call directly. A
+composite call answered whole (``F.normalize``, ``einsum``) skips the dispatcher for
+each of the ops it is made of.
 
 A shortcut only ever declines (returns None): then the call takes the usual way, through
 the dispatcher to the level's batching rule. It declines whenever anything is unusual: a
@@ -348,9 +351,198 @@ def permute(cls, func, args, kwargs):
     return wrap_front(cls, _call(torch.permute, (inner, (0, *(d % rank + 1 for d in order))), {}))
 
 
+# -- calls along dims, indexing, products: the example's dims shift by one -------------------
+
+
+def _taken(cls, func, args, kwargs) -> Any:
+    """:func:`_call` of ``func`` on physical tensors batched first, wrapped; None where torch
+    raises: the usual path then raises torch's own error, naming the example's dims."""
+    try:
+        return wrap_all_front(cls, _call(func, args, kwargs))
+    except (RuntimeError, IndexError, TypeError, ValueError):
+        return None
+
+
+def _shift(dim: Any, rank: int) -> Any:
+    """An example's ``dim`` (an int, or a non-empty sequence of ints) as the batch's, or
+    None where it is out of range or something else (a name, an empty list: the usual
+    path decides)."""
+    if type(dim) is int:
+        return dim % rank + 1 if -rank <= dim < rank else None
+    if type(dim) in (tuple, list) and dim and all(
+            type(d) is int and -rank <= d < rank for d in dim):
+        return tuple(d % rank + 1 for d in dim)
+    return None
+
+
+_ALL = object()  # an along_dim default: no dim means every dim of the example
+
+
+def along_dim(position: int, default: Any = None) -> Shortcut:
+    """Reductions, softmax, cumsum, split and kin, working along ``dim`` (argument
+    ``position``, else keyword ``dim``, else ``default``) of their first argument: the same
+    dims of each example, one further in."""
+
+    def shortcut(cls, func, args, kwargs):
+        inner = _own(cls, args[0])
+        if inner is None or kwargs.get("out") is not None or not _unbatched_rest(
+                cls, args, kwargs):
+            return None
+        rank = inner.dim() - 1
+        if not rank:
+            return None  # a dim of a 0-dim example means that one element: the usual path
+        given = args[position] if len(args) > position else kwargs.get("dim", default)
+        dim = tuple(range(1, rank + 1)) if given is _ALL else _shift(given, rank)
+        if dim is None:
+            return None
+        if len(args) > position:
+            args = (inner, *args[1:position], dim, *args[position + 1:])
+        else:
+            args, kwargs = (inner, *args[1:]), {**kwargs, "dim": dim}
+        return _taken(cls, func, args, kwargs)
+
+    return shortcut
+
+
+def normalized_trailing(cls, func, args, kwargs):
+    """``F.layer_norm``, ``F.rms_norm``: they normalize trailing dims, so the batch in
+    front is one more leading dim."""
+    shape = args[1] if len(args) > 1 else kwargs.get("normalized_shape")
+    count = 1 if type(shape) is int else len(shape) if isinstance(shape, (tuple, list)) else -1
+    return _first_batched(cls, func, args, kwargs, lambda rank: rank >= count >= 0)
+
+
+_along_first_dim = along_dim(1)
+
+
+def squeeze(cls, func, args, kwargs):
+    """``x.squeeze(dim)``, or ``x.squeeze()``: the example's size-1 dims, not the batch's."""
+    if len(args) > 1 or kwargs:
+        return _along_first_dim(cls, func, args, kwargs)
+    inner = _own(cls, args[0])
+    if inner is None:
+        return None
+    ones = tuple(d for d in range(1, inner.dim()) if inner.shape[d] == 1)
+    return _taken(cls, torch.squeeze, (inner, ones), {})
+
+
+def _basic_index(item: Any) -> bool:
+    """Whether ``item`` indexes each example's dims alone: an int, a slice of ints, None or
+    ``...`` (not a tensor, list or bool, which index by values)."""
+    if type(item) is slice:
+        return all(type(i) is int or i is None for i in (item.start, item.stop, item.step))
+    return type(item) is int or item is None or item is Ellipsis
+
+
+def getitem(cls, func, args, kwargs):
+    """``x[0, 1:3, None, ...]``: the same basic index of each example, the batch kept."""
+    inner = _own(cls, args[0])
+    index = args[1]
+    items = index if type(index) is tuple else (index,)
+    if inner is None or not all(_basic_index(i) for i in items):
+        return None
+    return _taken(cls, func, (inner, (slice(None), *items)), {})
+
+
+def expand(cls, func, args, kwargs):
+    """``x.expand(*sizes)``: new leading dims go after the batch dim."""
+    inner = _own(cls, args[0])
+    sizes = _int_args(args, kwargs)
+    if inner is None or sizes is None:
+        return None
+    new = len(sizes) - (inner.dim() - 1)
+    if new < 0 or -1 in sizes[:new]:
+        return None  # fewer sizes than dims, or -1 for a new dim: the usual path raises
+    if new:
+        inner = _call(torch.reshape, (inner, (inner.shape[0], *(1,) * new, *inner.shape[1:])), {})
+    return _taken(cls, torch.Tensor.expand, (inner, (inner.shape[0], *sizes)), {})
+
+
+def where(cls, func, args, kwargs):
+    """``torch.where(cond, x, y)``, ``x.where(cond, y)``: elementwise in all three."""
+    if kwargs or len(args) != 3:
+        return None  # torch.where(cond) gives indices
+    return pointwise(cls, func, args, kwargs)
+
+
+def masked_fill(cls, func, args, kwargs):
+    """``x.masked_fill(mask, value)`` of a batched ``x`` and an unbatched value: elementwise."""
+    if type(args[0]) is not cls or kwargs or len(args) != 3 or type(args[2]) is cls:
+        return None
+    return pointwise(cls, func, args, kwargs)
+
+
+def cat(cls, func, args, kwargs):
+    """``torch.cat(tensors, dim)``, ``torch.stack(tensors, dim)`` of batched tensors of
+    one rank: the same dim of each example."""
+    tensors = args[0]
+    dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+    if type(tensors) not in (tuple, list) or not tensors or len(args) > 2 or (
+            kwargs.keys() - {"dim"}):
+        return None
+    inners = [_own(cls, t) for t in tensors]
+    if any(t is None for t in inners) or len({t.dim() for t in inners}) != 1:
+        return None
+    rank = inners[0].dim() - 1 + (func is torch.stack)
+    dim = _shift(dim, rank) if rank else None
+    return None if dim is None else _taken(cls, func, (inners, dim), {})
+
+
+def matmul(cls, func, args, kwargs):
+    """``a @ b`` of matrices or stacks of them (no vectors): batched operands padded to
+    the larger rank with size-1 dims after the batch dim broadcast as each example's."""
+    if kwargs or len(args) != 2:
+        return None
+    phys, ranks = [], []
+    for a in args:
+        inner = _own(cls, a) if type(a) is cls else a if _unbatched(cls, a) else None
+        if inner is None:
+            return None
+        phys.append(inner)
+        ranks.append(inner.dim() - (type(a) is cls))
+    rank = max(ranks)
+    if min(ranks) < 2:
+        return None
+    phys = [_call(torch.reshape, (p, (p.shape[0], *(1,) * (rank - r), *p.shape[1:])), {})
+            if type(a) is cls and r < rank else p for a, p, r in zip(args, phys, ranks)]
+    return _taken(cls, torch.matmul, phys, {})
+
+
+def einsum(cls, func, args, kwargs):
+    """``torch.einsum(equation, *operands)``: the batch gets a letter of its own, leading
+    each batched operand and the output (an equation with ``->`` only)."""
+    operands = args[1:]
+    if len(operands) == 1 and type(operands[0]) in (tuple, list):
+        operands = tuple(operands[0])
+    if kwargs or not args or type(args[0]) is not str or "->" not in args[0]:
+        return None
+    inputs, output = args[0].replace(" ", "").split("->", 1)
+    terms = inputs.split(",")
+    letter = next((c for c in _LETTERS if c not in args[0]), None)
+    if letter is None or len(terms) != len(operands):
+        return None
+    phys = []
+    for i, a in enumerate(operands):
+        inner = _own(cls, a) if type(a) is cls else a if _unbatched(cls, a) else None
+        if inner is None:
+            return None
+        if type(a) is cls:
+            terms[i] = letter + terms[i]
+        phys.append(inner)
+    return _taken(cls, torch.einsum, (f"{','.join(terms)}->{letter}{output}", *phys), {})
+
+
+_LETTERS = "ZYXWVUTSRQPONMLKJIHGFEDCBAzyxwvutsrqponmlkjihgfedcba"
+
+
 def _declare(shortcut: Shortcut, *funcs: Callable) -> None:
     for func in funcs:
         SHORTCUTS[func] = shortcut
+
+
+def torch_and_tensor(*names: str) -> list:
+    """``torch.<name>`` and ``Tensor.<name>`` for each name, where they exist."""
+    return [getattr(m, n) for n in names for m in (torch, torch.Tensor) if hasattr(m, n)]
 
 
 # torch.<name> and Tensor.<name>, and Tensor's operators: elementwise, each tested against
@@ -385,6 +577,23 @@ _declare(unsqueeze, torch.unsqueeze, torch.Tensor.unsqueeze)
 _declare(reshape, torch.Tensor.view, torch.reshape, torch.Tensor.reshape)
 _declare(transpose, torch.transpose, torch.Tensor.transpose, torch.t, torch.Tensor.t)
 _declare(permute, torch.permute, torch.Tensor.permute)
+_declare(along_dim(1, _ALL), *torch_and_tensor("sum", "mean", "amax", "amin", "std", "var"))
+_declare(_along_first_dim, *torch_and_tensor(
+    "logsumexp", "prod", "argmax", "argmin", "softmax", "log_softmax", "cumsum", "cumprod",
+    "narrow", "select"), F.softmax, F.log_softmax)
+_declare(along_dim(2, 0), torch.split, torch.Tensor.split, torch.chunk, torch.Tensor.chunk)
+_declare(along_dim(1, 0), torch.unbind, torch.Tensor.unbind)
+_declare(along_dim(2, 1), F.normalize)
+_declare(along_dim(2, _ALL), torch.linalg.vector_norm)
+_declare(squeeze, torch.squeeze, torch.Tensor.squeeze)
+_declare(normalized_trailing, F.layer_norm, F.rms_norm)
+_declare(getitem, torch.Tensor.__getitem__)
+_declare(expand, torch.Tensor.expand)
+_declare(where, torch.where, torch.Tensor.where)
+_declare(masked_fill, torch.Tensor.masked_fill)
+_declare(cat, torch.cat, torch.concat, torch.stack)
+_declare(matmul, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__)
+_declare(einsum, torch.einsum)
 
 
 def _max_pool(func, args, kwargs):
