@@ -224,6 +224,26 @@ def mlp_group() -> list[Benchmark]:
     return [_three_ways("MLP 784-256-256-10, batch 64", mlp, mlp, (x,), target=1.1)]
 
 
+def attention_group() -> list[Benchmark]:
+    """(b') A pre-norm transformer block forward, vmapped over single sequences."""
+    torch.manual_seed(0)
+    d, heads, seq = 64, 4, 32
+    qkv, proj = _frozen(nn.Linear(d, 3 * d)), _frozen(nn.Linear(d, d))
+    up, down = _frozen(nn.Linear(d, 4 * d)), _frozen(nn.Linear(4 * d, d))
+    causal = torch.ones(seq, seq, dtype=torch.bool).triu(1)
+
+    def block(x):  # written for one (seq, d) sequence; its dims count from the end
+        q, k, v = F.linear(F.layer_norm(x, (d,)), *qkv).unflatten(-1, (3, heads, -1)).unbind(-3)
+        scores = torch.einsum("...qhc,...khc->...hqk", q, k) / (d // heads) ** 0.5
+        att = scores.masked_fill(causal, float("-inf")).softmax(-1)
+        x = x + F.linear(torch.einsum("...hqk,...khc->...qhc", att, v).flatten(-2), *proj)
+        return x + F.linear(F.gelu(F.linear(F.layer_norm(x, (d,)), *up)), *down)
+
+    x = torch.randn(16, seq, d)
+    return [_three_ways("transformer block (32, 64), 4 heads, batch 16", block, block, (x,),
+                        target=None)]
+
+
 # -- (c) a small CNN forward ------------------------------------------------------------------
 
 
@@ -738,6 +758,16 @@ GROUPS: dict[str, Group] = {
         "`F.linear`/`F.relu` MLP 784-256-256-10 with unbatched weights, vmapped over a batch "
         "of 64 single examples of shape (784,). Target: ratio <= 1.1.",
         mlp_group,
+    ),
+    "attention": Group(
+        "Transformer block forward",
+        "A pre-norm transformer block written for one sequence with everyday calls "
+        "(`F.layer_norm`, `F.linear`, `unflatten`/`unbind`, `einsum`, `masked_fill` with a "
+        "causal mask, `softmax`, `F.gelu`, residual adds), unbatched weights, vmapped over "
+        "16 sequences of shape (32, 64): the cost of the calls that are not pointwise math "
+        "or `F.linear`. Most are answered in vmap's `__torch_function__` "
+        "(torchlevels/batching/shortcuts.py). No target.",
+        attention_group,
     ),
     "cnn": Group(
         "CNN forward",
