@@ -9,13 +9,13 @@ Python key and back, for each op the call is made of: ``torch.sin(x)`` of a grad
 over a vmap level costs about 11 µs instead of 15.
 
 A shortcut declines (the call takes the usual way) whenever anything is unusual: a
-tensor of a deeper or an unrelated level or a foreign subclass, a tensor in a keyword
-argument, an in-place call or an ``out=`` argument, a live forward-AD level, an error; and
-a call made of several ops that mixes a vmap level's tensors with a plain one this level
-tracks (``F.linear`` of a batch and the weights in per-sample gradients), which would
-hand the vmap level plain tensors it cannot tell from ones autograd outside tracks.
-vmap's rules for composite ops (``F.linear`` whole) step aside for calls run here, where
-autograd records on the vmap level's tensors themselves (batching/composite.py).
+tensor of a deeper or an unrelated level or a foreign subclass, an in-place call or an
+``out=`` argument, a live forward-AD level, an error; and a call made of several ops
+that mixes a vmap level's tensors with a plain one this level tracks (``F.linear`` of a
+batch and the weights in per-sample gradients), which would hand the vmap level plain
+tensors it cannot tell from ones autograd outside tracks. vmap's rules for composite ops
+(``F.linear`` whole) step aside for calls run here, where autograd records on the vmap
+level's tensors themselves (batching/composite.py).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from torchlevels.batching.shortcuts import (
     ACTIVATIONS,
     POINTWISE_DUNDERS,
     POINTWISE_NAMES,
+    basic_index,
     no_shortcuts,
     torch_and_tensor,
 )
@@ -46,11 +47,14 @@ ELEMENTWISE = frozenset((
 ))
 # calls that compute new tensors, or out-of-place views, from their arguments alone
 CALLS = ELEMENTWISE | frozenset((
-    *torch_and_tensor("view", "reshape", "flatten", "unsqueeze", "squeeze", "transpose", "t",
-                       "permute", "matmul", "mm", "bmm", "sum", "mean", "softmax",
-                       "log_softmax"),
-    torch.Tensor.__matmul__, F.linear, F.softmax, F.log_softmax, F.cross_entropy, F.nll_loss,
-    F.mse_loss, F.layer_norm, F.group_norm, F.conv1d, F.conv2d, F.conv3d,
+    *torch_and_tensor("view", "reshape", "flatten", "unflatten", "unsqueeze", "squeeze",
+                       "transpose", "t", "permute", "expand", "narrow", "select", "split",
+                       "chunk", "unbind", "matmul", "mm", "bmm", "einsum", "sum", "mean",
+                       "amax", "amin", "logsumexp", "std", "var", "cumsum", "softmax",
+                       "log_softmax", "where", "masked_fill", "cat", "concat", "stack"),
+    torch.Tensor.__getitem__, torch.Tensor.__matmul__, torch.linalg.vector_norm, F.linear,
+    F.softmax, F.log_softmax, F.cross_entropy, F.nll_loss, F.mse_loss, F.layer_norm,
+    F.rms_norm, F.group_norm, F.normalize, F.conv1d, F.conv2d, F.conv3d,
     F.max_pool1d, F.max_pool2d, F.max_pool3d, F.avg_pool1d, F.avg_pool2d, F.avg_pool3d,
 ))
 
@@ -67,42 +71,62 @@ def torch_function(cls, func, types, args=(), kwargs=None):
 
 
 def _on_inner(cls, func, args, kwargs) -> Any:
-    """``func`` on the inner tensors of level ``cls``'s tensors among ``args``, wrapped at
-    ``cls``; None to decline."""
-    if kwargs and ("out" in kwargs or kwargs.get("inplace")
-                   or any(isinstance(v, torch.Tensor) for v in kwargs.values())):
+    """``func`` on the inner tensors of level ``cls``'s tensors among ``args`` (and keyword
+    arguments), wrapped at ``cls``; None to decline."""
+    if kwargs and (kwargs.get("out") is not None or kwargs.get("inplace")):
         return None
     if func in ACTIVATIONS and any(a is True for a in args[1:]):  # F.relu(x, True): in place
         return None
-    inner = []
-    levels = tracked_plain = False
-    for a in args:
-        t = type(a)
-        if t is cls:
-            if requires_grad_flag(a):
-                return None  # autograd outside records on the wrapper itself
-            a = a._inner
-            t = type(a)
-        elif not (t in _PLAIN or (isinstance(a, LevelTensor) and issubclass(cls, t))):
-            if isinstance(a, torch.Tensor) or (
-                    t in (tuple, list) and any(isinstance(i, torch.Tensor) for i in a)):
-                return None  # of a deeper or an unrelated level, or a foreign subclass
-            inner.append(a)  # a number, a shape, a dtype, None...
-            continue
-        inner.append(a)  # an inner tensor, or one unbatched here (a captured tensor)
-        if t in _PLAIN:
-            tracked_plain = tracked_plain or requires_grad_flag(a)
-        else:
-            levels = True
-    if levels and tracked_plain and func not in ELEMENTWISE:
+    if func is _GETITEM and not _index_of_tensors(args[1]):
+        return None  # an index of other objects (functorch.dim's dims) is theirs to read
+    found = {"levels": False, "tracked plain": False}
+    inner = [_inner_of(cls, a, found) for a in args]
+    inner_kwargs = {k: _inner_of(cls, v, found) for k, v in kwargs.items()}
+    if any(a is _DECLINE for a in (*inner, *inner_kwargs.values())):
+        return None
+    if found["levels"] and found["tracked plain"] and func not in ELEMENTWISE:
         # a call made of several ops would hand a plain tensor it makes of a tracked one
         # (W.t() in F.linear) to a vmap level's op unmarked (see mark_level_graph), and
         # that level would record autograd on its physical tensors as well
         return None
     with _no_subclass_torch_function():  # the levels inside see the ops at their dispatch
         try:
-            out = func(*inner, **kwargs)
+            out = func(*inner, **inner_kwargs)
         except RuntimeError:
             return None  # the usual path raises the error, or handles the case
-        return cls._level.wrap_result(cls, args, inner, out)
+        return cls._level.wrap_result(cls, (*args, *kwargs.values()),
+                                      [*inner, *inner_kwargs.values()], out)
+
+
+_DECLINE = object()  # what _inner_of gives for an argument the shortcut cannot take
+_GETITEM = torch.Tensor.__getitem__
+
+
+def _index_of_tensors(index: Any) -> bool:
+    """Whether ``x[index]`` indexes by ints, slices, None, ``...`` and tensors only."""
+    items = index if type(index) is tuple else (index,)
+    return all(basic_index(i) or isinstance(i, torch.Tensor) for i in items)
+
+
+def _inner_of(cls, a: Any, found: dict) -> Any:
+    """Argument ``a`` of a call on level ``cls``: its inner tensor if it is ours, as it is
+    if plain or of an enclosing level (noting which in ``found``), or _DECLINE."""
+    t = type(a)
+    if t is cls:
+        if requires_grad_flag(a):
+            return _DECLINE  # autograd outside records on the wrapper itself
+        a = a._inner
+        t = type(a)
+    elif t in (tuple, list):  # an index, a list of tensors to concatenate
+        items = [_inner_of(cls, i, found) for i in a]
+        return _DECLINE if any(i is _DECLINE for i in items) else t(items)
+    elif not (t in _PLAIN or (isinstance(a, LevelTensor) and issubclass(cls, t))):
+        if isinstance(a, torch.Tensor):
+            return _DECLINE  # of a deeper or an unrelated level, or a foreign subclass
+        return a  # a number, a dtype, None...
+    if t in _PLAIN:  # an inner tensor, or one unbatched here (a captured tensor)
+        found["tracked plain"] = found["tracked plain"] or requires_grad_flag(a)
+    else:
+        found["levels"] = True
+    return a
 

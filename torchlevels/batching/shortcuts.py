@@ -426,7 +426,7 @@ def squeeze(cls, func, args, kwargs):
     return _taken(cls, torch.squeeze, (inner, ones), {})
 
 
-def _basic_index(item: Any) -> bool:
+def basic_index(item: Any) -> bool:
     """Whether ``item`` indexes each example's dims alone: an int, a slice of ints, None or
     ``...`` (not a tensor, list or bool, which index by values)."""
     if type(item) is slice:
@@ -439,7 +439,7 @@ def getitem(cls, func, args, kwargs):
     inner = _own(cls, args[0])
     index = args[1]
     items = index if type(index) is tuple else (index,)
-    if inner is None or not all(_basic_index(i) for i in items):
+    if inner is None or not all(basic_index(i) for i in items):
         return None
     return _taken(cls, func, (inner, (slice(None), *items)), {})
 
