@@ -84,6 +84,16 @@ def test_calls_of_a_loss_reach_no_grad_dispatch(name):
     assert not calls, calls
 
 
+def test_a_named_tuple_of_tensors_is_unwrapped():
+    """torch.stack of aminmax's named tuple: its tensors are unwrapped like a tuple's (a
+    grad level's tensor handed on as it is would be wrapped twice)."""
+    loss = lambda w, x: torch.stack(torch.aminmax(w * x, dim=0)).exp().sum()  # noqa: E731
+    w, xs = W.clone(), torch.randn(4, 5, dtype=torch.float64)
+    assert_close(tl.grad(loss)(w, xs[0]), ft.grad(loss)(w, xs[0]))
+    assert_close(tl.vmap(tl.grad(loss), in_dims=(None, 0))(w, xs),
+                 ft.vmap(ft.grad(loss), in_dims=(None, 0))(w, xs))
+
+
 def test_autograd_outside_sees_the_per_example_gradients():
     """A gradient penalty: the per-example gradients are differentiated by autograd
     outside, through calls the grad level ran whole (F.linear of a tracked weight)."""

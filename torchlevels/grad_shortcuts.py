@@ -117,9 +117,13 @@ def _inner_of(cls, a: Any, found: dict) -> Any:
             return _DECLINE  # autograd outside records on the wrapper itself
         a = a._inner
         t = type(a)
-    elif t in (tuple, list):  # an index, a list of tensors to concatenate
+    elif isinstance(a, (tuple, list)):  # an index, tensors to concatenate, a shape
         items = [_inner_of(cls, i, found) for i in a]
-        return _DECLINE if any(i is _DECLINE for i in items) else t(items)
+        if any(i is _DECLINE for i in items):
+            return _DECLINE
+        if all(i is j for i, j in zip(items, a)):
+            return a  # a torch.Size stays one
+        return items if t is list else tuple(items)  # a named tuple (aminmax's) as a tuple
     elif not (t in _PLAIN or (isinstance(a, LevelTensor) and issubclass(cls, t))):
         if isinstance(a, torch.Tensor):
             return _DECLINE  # of a deeper or an unrelated level, or a foreign subclass
