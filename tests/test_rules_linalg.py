@@ -14,7 +14,7 @@ import pytest
 import torch
 from vmap_reference import check_vmap, vmap_without_slow_loop
 
-from torchlevels import grad, vmap
+from torchlevels import grad, jacrev, vmap
 from torchlevels.batching import registry
 
 aten = torch.ops.aten
@@ -409,3 +409,37 @@ def test_triangle_in_place_under_vmap_and_grad(op):
     ours = grad(lambda a: vmap(lambda v: body(a, v))(vs).sum())(a)
     theirs = torch.func.grad(lambda a: torch.func.vmap(lambda v: body(a, v))(vs).sum())(a)
     torch.testing.assert_close(ours, theirs)
+
+
+@pytest.mark.parametrize("solve", ["lu", "ldl"])
+@pytest.mark.parametrize("adjoint", [False, True])
+def test_solve_with_factors_in_a_batch_of_one_under_another_vmap(solve, adjoint):
+    # the factors come column-major from lu_factor/ldl_factor; a vmap of one example
+    # inside another gives them a size-1 batch dim that PyTorch's kernels misread
+    a = torch.randn(2, N, N, dtype=torch.float64)
+    a = a @ a.mT + N * torch.eye(N, dtype=torch.float64)
+    b = torch.randn(2, 1, N, 2, dtype=torch.float64)
+    factor = linalg.lu_factor if solve == "lu" else linalg.ldl_factor
+    options = {"adjoint": adjoint} if solve == "lu" else {"hermitian": adjoint}
+
+    def f(a, b):  # a: (N, N), b: (1, N, 2)
+        lu, pivots = factor(a)
+        run = linalg.lu_solve if solve == "lu" else linalg.ldl_solve
+        return vmap(lambda b: run(lu, pivots, b, **options))(b)
+
+    ours = vmap(f)(a, b)
+    loop = [[(linalg.lu_solve if solve == "lu" else linalg.ldl_solve)(
+        *factor(a[i]), b[i, j], **options) for j in range(1)] for i in range(2)]
+    torch.testing.assert_close(ours, torch.stack([torch.stack(r) for r in loop]))
+
+
+def test_vmap_of_jacrev_of_det():
+    # jacrev's vmap over the one basis vector of a scalar output is such a batch of one:
+    # det's backward solves with its LU factors
+    a = torch.randn(3, N, N, dtype=torch.float64)
+    a = a @ a.mT + N * torch.eye(N, dtype=torch.float64)
+    for f in (linalg.det, torch.logdet):
+        ours = vmap(jacrev(f))(a)
+        torch.testing.assert_close(ours, torch.func.vmap(torch.func.jacrev(f))(a))
+        torch.testing.assert_close(ours, torch.stack([
+            torch.autograd.grad(f(x), x)[0] for x in a.clone().requires_grad_().unbind()]))

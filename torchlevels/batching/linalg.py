@@ -92,10 +92,25 @@ leading_batch_dims(aten.linalg_pinv.rcond_tensor, cores=(2, 0))
 leading_batch_dims(aten.triangular_solve.default, cores=(2, 2), equal=True)
 leading_batch_dims(aten.linalg_householder_product.default, cores=(2, 1), equal=True)
 leading_batch_dims(aten.ormqr.default, cores=(2, 1, 2), equal=True)
-leading_batch_dims(aten.linalg_lu_solve.default, aten.linalg_ldl_solve.default,
-                   cores=(2, 1, 2), equal=True)
 leading_batch_dims(aten.lu_unpack.default, cores=(2, 1), equal=True)
 leading_batch_dims(aten._cdist_forward.default, cores=(2, 2), equal=True)
+
+
+@register(aten.linalg_lu_solve.default, aten.linalg_ldl_solve.default)
+def solve_with_factors(func, args, dims, kwargs):
+    """``lu_solve``/``ldl_solve`` with the batch first, the factors and pivots copied to a
+    fresh layout where the batch has a dim of size 1: PyTorch's kernels misread
+    column-major factors whose size-1 batch dim has a stride other than a whole matrix's
+    (``LU.unsqueeze(0)`` of ``lu_factor``'s result) and give wrong values; a batch of one
+    example under an outer vmap makes such a layout."""
+
+    def call(factors, pivots, b, **options):
+        if 1 in factors.shape[:-2]:
+            factors, pivots = (t.clone(memory_format=torch.contiguous_format)
+                               for t in (factors, pivots))
+        return func(factors, pivots, b, **options)
+
+    return batch_first(call, args, dims, kwargs, (2, 1, 2), equal=True)
 
 
 @register(aten._cdist_backward.default)
