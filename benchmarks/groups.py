@@ -239,9 +239,22 @@ def attention_group() -> list[Benchmark]:
         x = x + F.linear(torch.einsum("...hqk,...khc->...qhc", att, v).flatten(-2), *proj)
         return x + F.linear(F.gelu(F.linear(F.layer_norm(x, (d,)), *up)), *down)
 
-    x = torch.randn(16, seq, d)
-    return [_three_ways("transformer block (32, 64), 4 heads, batch 16", block, block, (x,),
-                        target=None)]
+    def loss(x):  # of one sequence
+        return block(x).square().mean()
+
+    def plain_grads(xs):  # the sequences are independent: one backward gives every row
+        xs = xs.detach().requires_grad_()
+        return torch.autograd.grad(block(xs).square().mean((-2, -1)).sum(), xs)[0]
+
+    xs = torch.randn(16, seq, d)
+    return [
+        _three_ways("transformer block (32, 64), 4 heads, batch 16", block, block, (xs,),
+                    target=None),
+        _autodiff("grad of the block, one sequence (32, 64)", lambda lib: lib.grad(loss),
+                  (xs[0],), {PLAIN: lambda: plain_grads(xs[:1])[0]}, target=None),
+        _autodiff("vmap(grad) of the block, batch 16", lambda lib: lib.vmap(lib.grad(loss)),
+                  (xs,), {PLAIN: lambda: plain_grads(xs)}, target=None),
+    ]
 
 
 # -- (c) a small CNN forward ------------------------------------------------------------------
@@ -766,7 +779,9 @@ GROUPS: dict[str, Group] = {
         "causal mask, `softmax`, `F.gelu`, residual adds), unbatched weights, vmapped over "
         "16 sequences of shape (32, 64): the cost of the calls that are not pointwise math "
         "or `F.linear`. Most are answered in vmap's `__torch_function__` "
-        "(torchlevels/batching/shortcuts.py). No target.",
+        "(torchlevels/batching/shortcuts.py), and under `grad` in the grad level's "
+        "(torchlevels/grad_shortcuts.py). Also the gradient of the mean square of the "
+        "block's output, for one sequence and per sequence. No target.",
         attention_group,
     ),
     "cnn": Group(
