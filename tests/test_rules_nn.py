@@ -425,6 +425,21 @@ def test_activation_backward_batched_natively(activation):
         torch.testing.assert_close(hessian(f)(x), torch.autograd.functional.hessian(f, x))
 
 
+@pytest.mark.parametrize("n", [1, 2])
+def test_per_example_gradients_through_batch_norm_of_one_channel(n):
+    """Eval mode, one channel: the running stats of the examples are one expanded element,
+    which must reach the CPU kernel as real memory (it read past it before)."""
+    from torchlevels import grad, jacrev, vmap
+
+    rm, rv = torch.randn(1, dtype=torch.float64), torch.rand(1, dtype=torch.float64) + 0.5
+    x = torch.randn(3, n, 1, dtype=torch.float64)
+    f = lambda y: F.batch_norm(y, rm, rv, training=False).exp()  # noqa: E731
+    loop = torch.stack([torch.autograd.grad(f(y).sum(), y)[0]
+                        for y in x.clone().requires_grad_().unbind()])
+    torch.testing.assert_close(vmap(grad(lambda y: f(y).sum()))(x), loop)
+    torch.testing.assert_close(vmap(jacrev(f))(x), torch.func.vmap(torch.func.jacrev(f))(x))
+
+
 def test_hessian_through_batch_norm_in_training_mode():
     """The backward batched natively: an enclosing grad level gets its double backward."""
     from torchlevels import hessian

@@ -397,7 +397,9 @@ def batch_norm_backward(func, args, dims, kwargs):
     size = batch_size(args, dims)
 
     def per_channel(t, d):  # [B, C] (or [C], the same for every example) -> [B*C]
-        return None if t is None else materialize(t, d, size).flatten()
+        # contiguous: the CPU kernel reads the stats' memory as if they were, and an
+        # expanded [C] with C = 1 flattens to a view of one element
+        return None if t is None else materialize(t, d, size).flatten().contiguous()
 
     go, x = (materialize(t, d, size).transpose(0, 1).flatten(1, 2)
              for t, d in zip((go, x), dims[:2]))
