@@ -38,6 +38,7 @@ from torchlevels.batching.shortcuts import (
 
 _no_subclass_torch_function = torch._C.DisableTorchFunctionSubclass
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+_NUMBERS = (int, float, bool)
 _EMPTY: dict = {}
 
 
@@ -79,12 +80,30 @@ def _on_inner(cls, func, args, kwargs) -> Any:
         return None
     if func is _GETITEM and not _index_of_tensors(args[1]):
         return None  # an index of other objects (functorch.dim's dims) is theirs to read
-    found = {"levels": False, "tracked plain": False}
-    inner = [_inner_of(cls, a, found) for a in args]
-    inner_kwargs = {k: _inner_of(cls, v, found) for k, v in kwargs.items()}
-    if any(a is _DECLINE for a in (*inner, *inner_kwargs.values())):
+    found = [False, False]  # a tensor of an enclosing level; a plain one that is tracked
+    inner = []
+    for a in args:  # the hot loop of a chain of small ops: _inner_of's common cases inlined
+        t = type(a)
+        if t is cls:
+            if requires_grad_flag(a):
+                return None  # autograd outside records on the wrapper itself
+            a = a._inner
+            t = type(a)
+            if t in _PLAIN:
+                found[1] = found[1] or requires_grad_flag(a)
+            else:
+                found[0] = True
+        elif t in _NUMBERS:
+            pass
+        else:
+            a = _inner_of(cls, a, found)
+            if a is _DECLINE:
+                return None
+        inner.append(a)
+    inner_kwargs = {k: _inner_of(cls, v, found) for k, v in kwargs.items()} if kwargs else _EMPTY
+    if kwargs and any(v is _DECLINE for v in inner_kwargs.values()):
         return None
-    if found["levels"] and found["tracked plain"] and func not in ELEMENTWISE:
+    if found[0] and found[1] and func not in ELEMENTWISE:
         # a call made of several ops would hand a plain tensor it makes of a tracked one
         # (W.t() in F.linear) to a vmap level's op unmarked (see mark_level_graph), and
         # that level would record autograd on its physical tensors as well
@@ -94,8 +113,9 @@ def _on_inner(cls, func, args, kwargs) -> Any:
             out = func(*inner, **inner_kwargs)
         except RuntimeError:
             return None  # the usual path raises the error, or handles the case
-        return cls._level.wrap_result(cls, (*args, *kwargs.values()),
-                                      [*inner, *inner_kwargs.values()], out)
+        if kwargs:  # what the call read, for wrap_result
+            args, inner = (*args, *kwargs.values()), [*inner, *inner_kwargs.values()]
+        return cls._level.wrap_result(cls, args, inner, out)
 
 
 _DECLINE = object()  # what _inner_of gives for an argument the shortcut cannot take
@@ -108,9 +128,10 @@ def _index_of_tensors(index: Any) -> bool:
     return all(basic_index(i) or isinstance(i, torch.Tensor) for i in items)
 
 
-def _inner_of(cls, a: Any, found: dict) -> Any:
+def _inner_of(cls, a: Any, found: list) -> Any:
     """Argument ``a`` of a call on level ``cls``: its inner tensor if it is ours, as it is
-    if plain or of an enclosing level (noting which in ``found``), or _DECLINE."""
+    if plain or of an enclosing level (noting in ``found`` whether a tensor of an enclosing
+    level, and a tracked plain one, were met), or _DECLINE."""
     t = type(a)
     if t is cls:
         if requires_grad_flag(a):
@@ -129,8 +150,8 @@ def _inner_of(cls, a: Any, found: dict) -> Any:
             return _DECLINE  # of a deeper or an unrelated level, or a foreign subclass
         return a  # a number, a dtype, None...
     if t in _PLAIN:  # an inner tensor, or one unbatched here (a captured tensor)
-        found["tracked plain"] = found["tracked plain"] or requires_grad_flag(a)
+        found[1] = found[1] or requires_grad_flag(a)
     else:
-        found["levels"] = True
+        found[0] = True
     return a
 
