@@ -30,6 +30,7 @@ import torch.autograd.forward_ad as forward_ad
 import torch.nn.functional as F
 
 from torchlevels._level import LevelTensor
+from torchlevels.batching.dims import pad_to_rank
 from torchlevels.batching.max_pool import max_pool
 from torchlevels.batching.predispatch import unintercepted
 
@@ -231,6 +232,14 @@ def activation(cls, func, args, kwargs):
 
 
 # -- calls that take examples with or without a leading batch dim ---------------------------
+
+
+def _operand(cls, a: Any) -> torch.Tensor | None:
+    """The physical tensor of operand ``a``: ours (see :func:`_own`), or ``a`` itself if
+    unbatched here; None if it is neither."""
+    if type(a) is cls:
+        return _own(cls, a)
+    return a if _unbatched(cls, a) else None
 
 
 def _unbatched_rest(cls, args, kwargs) -> bool:
@@ -453,8 +462,7 @@ def expand(cls, func, args, kwargs):
     new = len(sizes) - (inner.dim() - 1)
     if new < 0 or -1 in sizes[:new]:
         return None  # fewer sizes than dims, or -1 for a new dim: the usual path raises
-    if new:
-        inner = _call(torch.reshape, (inner, (inner.shape[0], *(1,) * new, *inner.shape[1:])), {})
+    inner = pad_to_rank(inner, len(sizes))
     return _taken(cls, torch.Tensor.expand, (inner, (inner.shape[0], *sizes)), {})
 
 
@@ -493,18 +501,13 @@ def matmul(cls, func, args, kwargs):
     the larger rank with size-1 dims after the batch dim broadcast as each example's."""
     if kwargs or len(args) != 2:
         return None
-    phys, ranks = [], []
-    for a in args:
-        inner = _own(cls, a) if type(a) is cls else a if _unbatched(cls, a) else None
-        if inner is None:
-            return None
-        phys.append(inner)
-        ranks.append(inner.dim() - (type(a) is cls))
-    rank = max(ranks)
+    phys = [_operand(cls, a) for a in args]
+    if any(p is None for p in phys):
+        return None
+    ranks = [p.dim() - (type(a) is cls) for a, p in zip(args, phys)]
     if min(ranks) < 2:
         return None
-    phys = [_call(torch.reshape, (p, (p.shape[0], *(1,) * (rank - r), *p.shape[1:])), {})
-            if type(a) is cls and r < rank else p for a, p, r in zip(args, phys, ranks)]
+    phys = [pad_to_rank(p, max(ranks)) if type(a) is cls else p for a, p in zip(args, phys)]
     return _taken(cls, torch.matmul, phys, {})
 
 
@@ -521,14 +524,10 @@ def einsum(cls, func, args, kwargs):
     letter = next((c for c in _LETTERS if c not in args[0]), None)
     if letter is None or len(terms) != len(operands):
         return None
-    phys = []
-    for i, a in enumerate(operands):
-        inner = _own(cls, a) if type(a) is cls else a if _unbatched(cls, a) else None
-        if inner is None:
-            return None
-        if type(a) is cls:
-            terms[i] = letter + terms[i]
-        phys.append(inner)
+    phys = [_operand(cls, a) for a in operands]
+    if any(p is None for p in phys):
+        return None
+    terms = [letter + term if type(a) is cls else term for a, term in zip(operands, terms)]
     return _taken(cls, torch.einsum, (f"{','.join(terms)}->{letter}{output}", *phys), {})
 
 
