@@ -110,6 +110,15 @@ def test_view_of_examples_that_cannot_be_viewed_raises(in_dim):
     check_vmap(g, x, in_dims=in_dim)
 
 
+@pytest.mark.parametrize("in_dim", [0, 1, 2])
+def test_view_copy_of_examples_that_cannot_be_viewed(in_dim):
+    """view_copy copies, so like eager it takes examples that a view could not."""
+    x = torch.randn(5, 4, 3).movedim(0, in_dim)
+    out = check_vmap(lambda v: torch.view_copy(v.t(), (12,)), x, in_dims=in_dim)
+    assert out.is_contiguous()
+    assert out.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
+
+
 @pytest.mark.parametrize("in_dim", [1, 2, -1])
 def test_contiguous_makes_each_example_contiguous(in_dim):
     # examples already contiguous in the batch's own layout, the batch dim inside: a

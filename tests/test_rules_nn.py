@@ -919,6 +919,14 @@ def test_pixel_shuffle(dim):
     check(lambda x: F.pixel_shuffle(x[0], 2), x, in_dims=dim)
 
 
+def test_pixel_shuffle_of_a_batch_laid_out_channels_last_3d():
+    # A batch of 4-d examples whose first dim has stride 1 is a channels-last-3d 5-d
+    # tensor, a layout the kernel refuses on its own (found by the wide fuzzer).
+    x = torch.randn(B, 3, 8, 2, 2).contiguous(memory_format=torch.channels_last_3d)
+    check(lambda x: F.pixel_shuffle(x, 2), x)
+    check(lambda x: F.pixel_unshuffle(x, 2), x)
+
+
 # -- a whole network -----------------------------------------------------------------------
 
 

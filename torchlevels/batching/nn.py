@@ -155,8 +155,16 @@ register(aten.col2im)(spatial_rule(1))
 
 @register(aten.pixel_shuffle, aten.pixel_unshuffle)
 def pixel_shuffle(func, args, dims, kwargs):
-    """Takes any number of leading dims, so the batch simply goes first."""
-    return func(to_front(args[0], dims[0]), *args[1:], **kwargs), 0
+    """Takes any number of leading dims, so the batch simply goes first.
+
+    The kernel refuses a 5-d input laid out channels-last-3d, which a batch of 4-d examples
+    can be by chance (stride 1 on the example's first dim), so that layout is copied.
+    """
+    x = to_front(args[0], dims[0])
+    cl3d = torch.channels_last_3d
+    if x.dim() == 5 and not x.is_contiguous() and x.is_contiguous(memory_format=cl3d):
+        x = x.contiguous()
+    return func(x, *args[1:], **kwargs), 0
 
 
 @register(aten.constant_pad_nd.default)

@@ -22,7 +22,7 @@ aten = torch.ops.aten
 
 
 @register(aten.view.default, aten._unsafe_view.default, aten.reshape.default,
-          aten._reshape_alias.default)
+          aten._reshape_alias.default, aten.view_copy.default)
 def view(func, args, dims, kwargs):
     x = to_front(args[0], dims[0])
     shape = args[1]
@@ -33,6 +33,9 @@ def view(func, args, dims, kwargs):
     # view stays view: with the batch in front, the batch views as [B, *shape] exactly when
     # every example views as shape, so an example that a loop could not view fails here too
     # (a copy would let a write through the "view" miss the base)
+    # view_copy copies, so (as in eager) an example that cannot be viewed is reshaped
+    if func is aten.view_copy.default:
+        return x.reshape(x.shape[0], *shape).clone(memory_format=torch.contiguous_format), 0
     op = x.view if func is aten.view.default else x.reshape
     return op(x.shape[0], *shape), 0
 
