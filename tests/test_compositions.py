@@ -622,11 +622,23 @@ def _group_norm_loss(x, w, b):
     return (torch.nn.functional.group_norm(x.T[None], 2, w, b, eps=0.1) * x.T.sin()).sum()
 
 
+def _batch_norm_loss(x, w, b):
+    return (torch.nn.functional.batch_norm(x, None, None, w, b, training=True, eps=0.1)
+            * x.sin()).sum()
+
+
+NORM_LOSSES = [_layer_norm_loss, _group_norm_loss, _batch_norm_loss]
+
+
 # layer_norm's backward, batched by vmap inside jacrev, read the saved mean and rstd as
 # constants, so a grad or jvp level outside lost their share of the second derivative.
-# torch.func is wrong too, in the weight-input block; the reference is plain autograd
-@pytest.mark.parametrize("transform", ["hessian", "jacrev(jacrev)", "jacfwd(jacrev)"])
-@pytest.mark.parametrize("loss", [_layer_norm_loss, _group_norm_loss])
+# torch.func is wrong too, in the weight-input block; the reference is plain autograd.
+# Forward mode twice (or reverse over it) read them as constants in PyTorch's forward-AD
+# formulas of batch and layer norm: torch.func is wrong there (pytorch/pytorch#196699,
+# #196700)
+@pytest.mark.parametrize("transform", ["hessian", "jacrev(jacrev)", "jacfwd(jacrev)",
+                                       "jacfwd(jacfwd)", "jacrev(jacfwd)"])
+@pytest.mark.parametrize("loss", NORM_LOSSES)
 def test_hessian_through_norms(transform, loss):
     gen = torch.Generator().manual_seed(0)
     args = (torch.randn(3, N, dtype=DTYPE, generator=gen),
@@ -638,6 +650,66 @@ def test_hessian_through_norms(transform, loss):
         outer, inner = transform.rstrip(")").split("(")
         h = getattr(tl, outer)(getattr(tl, inner)(loss, argnums), argnums)
     torch.testing.assert_close(h(*args), torch.autograd.functional.hessian(loss, args))
+
+
+# PyTorch's double-backward formulas of batch and layer norm read the saved statistics as
+# constants, so a third derivative through them is wrong in plain autograd and torch.func
+# (pytorch/pytorch#175754, #186256). The reference is central differences of plain
+# autograd's Hessian, which is right.
+@pytest.mark.parametrize("transform", ["jacrev(hessian)", "jacfwd(hessian)",
+                                       "jacrev(jacfwd(jacrev))", "jacfwd(jacfwd(jacfwd))"])
+@pytest.mark.parametrize("loss", NORM_LOSSES)
+def test_third_derivatives_through_norms(transform, loss):
+    gen = torch.Generator().manual_seed(3)
+    x, v = (torch.randn(3, N, dtype=DTYPE, generator=gen) for _ in range(2))
+    w, b = torch.randn(N, dtype=DTYPE, generator=gen), torch.randn(N, dtype=DTYPE, generator=gen)
+    f = functools.partial(lambda w, b, x: loss(x, w, b), w, b)
+    third = f
+    for name in reversed(transform.replace(")", "").split("(")):
+        third = getattr(tl, name)(third)
+    step = 1e-5
+    hessian = functools.partial(torch.autograd.functional.hessian, f)
+    expected = (hessian(x + step * v) - hessian(x - step * v)) / (2 * step)
+    got = torch.tensordot(third(x), v, dims=2)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_vmap_of_hessian_and_jacobian_of_hessian_through_training_batch_norm():
+    # PyTorch's batchnorm_double_backward writes temporaries in place: an unbatched one
+    # took a batched value under vmap, and one a captured weight's value under jacrev
+    gen = torch.Generator().manual_seed(4)
+    c, t = (torch.randn(3, n, dtype=DTYPE, generator=gen) for n in (4, 2))
+    g = torch.randn(2, dtype=DTYPE, generator=gen)
+    ws = torch.randn(5, 2, 4, dtype=DTYPE, generator=gen)
+
+    def f(w):
+        y = torch.nn.functional.linear(c, w)
+        return (torch.nn.functional.batch_norm(y, None, None, g, training=True) * t).sum()
+
+    torch.testing.assert_close(tl.vmap(tl.hessian(f))(ws), ft.vmap(ft.hessian(f))(ws))
+    step, v = 1e-5, torch.randn(2, 4, dtype=DTYPE, generator=gen)
+    hessian = functools.partial(torch.autograd.functional.hessian, f)
+    expected = (hessian(ws[0] + step * v) - hessian(ws[0] - step * v)) / (2 * step)
+    got = torch.tensordot(tl.jacrev(tl.hessian(f))(ws[0]), v, dims=2)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_forward_over_forward_through_batch_norm_updates_running_stats_once():
+    # the forward-mode formula is replaced by a decomposition here; the running statistics
+    # are still updated by the op, as one forward call updates them
+    gen = torch.Generator().manual_seed(5)
+    x, v = (torch.randn(4, 3, dtype=DTYPE, generator=gen) for _ in range(2))
+    ours, plain = torch.nn.BatchNorm1d(3).double(), torch.nn.BatchNorm1d(3).double()
+
+    def loss(bn, z):
+        return (bn(z) * z.sin()).sum()
+
+    got = tl.jvp(lambda z: tl.jvp(functools.partial(loss, ours), (z,), (v,))[1], (x,), (v,))[1]
+    hessian = torch.autograd.functional.hessian(functools.partial(loss, plain), x)
+    torch.testing.assert_close(got, torch.tensordot(torch.tensordot(hessian, v, dims=2), v, dims=2))
+    torch.testing.assert_close(ours.running_mean, plain.running_mean)
+    torch.testing.assert_close(ours.running_var, plain.running_var)
+    assert ours.num_batches_tracked == plain.num_batches_tracked == 1
 
 
 @pytest.mark.parametrize("loss", [_layer_norm_loss, _group_norm_loss])

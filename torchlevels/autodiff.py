@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch._decomp
 import torch.autograd.forward_ad as fwAD
+from torch._decomp import decompositions_for_jvp
 
 from torchlevels import grad_shortcuts
 from torchlevels._level import (
@@ -35,6 +36,7 @@ from torchlevels._level import (
     LevelTensor,
     autograd_on,
     data_property,
+    differentiated,
     enclosing_classes,
     entered,
     follow_inner,
@@ -172,6 +174,8 @@ class GradLevel(Level):
         if not self.captures_tracked:
             self.captures_tracked = _captures_tracked(cls, args) or (
                 bool(kwargs) and _captures_tracked(cls, kwargs.values()))
+        if func in _DECOMPOSED_WHEN_TRACKED and any(type(a) is cls for a in args):
+            return _DECOMPOSED_WHEN_TRACKED[func](*args, **kwargs)
         inner_args = [unwrap_own(a, cls) for a in args]
         inner_kwargs = {k: unwrap_own(v, cls) for k, v in kwargs.items()} if kwargs else {}
         inplace = writes_first_argument(func)
@@ -457,6 +461,10 @@ class JvpLevel(Level):
             return _jvp_inplace_view(cls, view, args, kwargs)
         if func in _DECOMPOSED_UNDER_AUTOGRAD and _tracked_by_autograd(cls, args):
             return _DECOMPOSED_UNDER_AUTOGRAD[func](*args, **kwargs)
+        if func in _NORMS_WITH_SAVED_STATS and _differentiated_outside(cls, args):
+            out = _NORMS_WITH_SAVED_STATS[func](cls, *args, **kwargs)
+            if out is not NotImplemented:
+                return out
         if _shapes_only(args):
             # PyTorch runs an op on meta copies to learn an output's shape (adding a
             # ZeroTensor tangent): the primal alone, with no derivative of any kind
@@ -665,6 +673,64 @@ _DECOMPOSED_UNDER_AUTOGRAD = {
     # composite ops that reach a level whole (from a decomposition's Python code)
     **{op: op.decompose for op in (torch.ops.aten.softmax.int, torch.ops.aten.log_softmax.int)},
 }
+
+
+# Norms' backward ops, whose own derivatives (PyTorch's batchnorm_double_backward and the
+# like) write temporaries in place, which a vmap inside may not batch, and read the saved
+# mean and invstd, which carry no derivative: a third derivative comes out wrong, in
+# PyTorch too (pytorch/pytorch#175754, #186256). When a grad level tracks an argument,
+# they run as decompositions that are out of place and recompute the statistics from the
+# input.
+_DECOMPOSED_WHEN_TRACKED = {
+    torch.ops.aten.native_batch_norm_backward.default:
+        decompositions_for_jvp.native_batch_norm_backward,
+    torch.ops.aten.batch_norm_backward.default: decompositions_for_jvp.batch_norm_backward,
+    torch.ops.aten.native_layer_norm_backward.default:
+        decompositions_for_jvp.native_layer_norm_backward,
+}
+
+
+def _layer_norm_recomputed(cls, *args, **kwargs):
+    """native_layer_norm as its decomposition (see :func:`_batch_norm_recomputed`)."""
+    out, mean, rstd = torch._decomp.decomposition_table[
+        torch.ops.aten.native_layer_norm.default](*args, **kwargs)
+    return out, mean.detach(), rstd.detach()
+
+
+def _batch_norm_recomputed(cls, x, weight, bias, running_mean, running_var, training,
+                           momentum, eps):
+    """native_batch_norm in training mode as its decomposition, whose output's tangent
+    is computed by differentiable ops from the input, statistics included. The statistics
+    it returns are detached, as the op declares them not differentiable. The running
+    statistics, which the decomposition would write with values carrying a tangent, are
+    updated by the op itself run on the primals. Eval mode's statistics are constants:
+    NotImplemented."""
+    if not training:
+        return NotImplemented
+    if running_mean is not None or running_var is not None:
+        torch.ops.aten.native_batch_norm.default(
+            *(unwrap_own(a, cls) for a in (x, weight, bias)), running_mean, running_var,
+            training, momentum, eps)
+    out, mean, invstd = torch._decomp.decomposition_table[
+        torch.ops.aten.native_batch_norm.default](x, weight, bias, None, None, training,
+                                                  momentum, eps)
+    return out, mean.detach(), invstd.detach()
+
+
+# Norms whose forward-AD formulas read the saved mean and invstd, which carry no derivative
+# of their own: a derivative taken of the tangent (jacfwd(jacfwd), jacrev(jacfwd)) misses
+# how they depend on the input, in PyTorch too (pytorch/pytorch#196699, #196700). Where a
+# level or autograd outside differentiates an argument, they run as their decompositions.
+_NORMS_WITH_SAVED_STATS = {
+    torch.ops.aten.native_layer_norm.default: _layer_norm_recomputed,
+    torch.ops.aten.native_batch_norm.default: _batch_norm_recomputed,
+}
+
+
+def _differentiated_outside(cls, args: tuple) -> bool:
+    """Whether a level or autograd outside jvp level ``cls`` may differentiate an
+    argument's primal or tangent."""
+    return any(type(a) is cls and differentiated(a._inner, a._tangent) for a in args)
 
 
 def _tracked_by_autograd(cls, args: tuple) -> bool:
