@@ -225,7 +225,8 @@ def mlp_group() -> list[Benchmark]:
 
 
 def attention_group() -> list[Benchmark]:
-    """(b') A pre-norm transformer block forward, vmapped over single sequences."""
+    """(b') A pre-norm transformer block, and PyTorch's fused attention, vmapped over single
+    sequences."""
     torch.manual_seed(0)
     d, heads, seq = 64, 4, 32
     qkv, proj = _frozen(nn.Linear(d, 3 * d)), _frozen(nn.Linear(d, d))
@@ -246,10 +247,16 @@ def attention_group() -> list[Benchmark]:
         xs = xs.detach().requires_grad_()
         return torch.autograd.grad(block(xs).square().mean((-2, -1)).sum(), xs)[0]
 
+    def attention(q, k, v):  # PyTorch's fused attention, per sequence
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
     xs = torch.randn(16, seq, d)
+    qkv = [torch.randn(16, heads, seq, d // heads) for _ in range(3)]
     return [
         _three_ways("transformer block (32, 64), 4 heads, batch 16", block, block, (xs,),
                     target=None),
+        _three_ways("scaled_dot_product_attention (4, 32, 16), causal, batch 16", attention,
+                    attention, qkv, target=None),
         _autodiff("grad of the block, one sequence (32, 64)", lambda lib: lib.grad(loss),
                   (xs[0],), {PLAIN: lambda: plain_grads(xs[:1])[0]}, target=None),
         _autodiff("vmap(grad) of the block, batch 16", lambda lib: lib.vmap(lib.grad(loss)),

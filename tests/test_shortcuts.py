@@ -215,6 +215,29 @@ CASES.update({
     "einsum, implicit output": (lambda a: torch.einsum("ij", a), (torch.randn(4, 2, 3),), 0,
                                 False),
 })
+q4, k4 = torch.randn(4, 2, 5, 8), torch.randn(4, 2, 3, 8)
+mask53 = torch.rand(5, 3) > 0.5
+sdpa = F.scaled_dot_product_attention
+CASES.update({
+    "sdpa": (sdpa, (q4, k4, k4), 0, True),
+    "sdpa of 2-d examples": (sdpa, (q4[:, 0], k4[:, 0], k4[:, 0]), 0, True),
+    "sdpa, causal, scale keyword": (lambda q: sdpa(q, q, q, None, 0.0, True, scale=0.2),
+                                    (q4,), 0, True),
+    "sdpa, unbatched mask": (lambda q, k: sdpa(q, k, k, attn_mask=mask53), (q4, k4), 0, True),
+    "sdpa of 4-d examples": (sdpa, (q4[:, None].repeat(1, 2, 1, 1, 1),) * 3, 0, True),
+    "sdpa of 4-d examples, key broadcast": (
+        sdpa, (q4[:, None].repeat(1, 2, 1, 1, 1), k4[:, None], k4[:, None]), 0, False),
+    "sdpa, batched mask": (lambda q, k, m: sdpa(q, k, k, m), (
+        q4, k4, torch.rand(4, 5, 3) > 0.5), 0, False),
+    "sdpa, unbatched key": (sdpa, (q4, k4[0], k4), (0, None, 0), False),
+})
+
+
+def test_attention_with_dropout_is_left_to_the_randomness_rules():
+    with vmap() as B:
+        q = B(q4)
+        assert shortcuts.attention(B, sdpa, (q, q, q), {"dropout_p": 0.5}) is None
+        assert shortcuts.attention(B, sdpa, (q, q, q, None, 0.5), {}) is None
 
 
 @pytest.mark.parametrize("call", [
@@ -224,7 +247,8 @@ CASES.update({
     lambda x: torch.cat([x, x], 2), lambda x: x.softmax(-3), lambda x: x.split(1, 2),
     lambda x: x.narrow(0, 1, 5), lambda x: x @ x, lambda x: torch.einsum("ij,jk->ik", x, x),
     lambda x: F.layer_norm(x, (2,)), lambda x: torch.where(x > 0, x, torch.zeros(5)),
-], ids=range(18))
+    lambda x: F.scaled_dot_product_attention(x, x.mT, x),
+], ids=range(19))
 def test_a_bad_view_raises_as_in_torch_func(call):
     x = torch.randn(4, 2, 3)
     with pytest.raises((RuntimeError, IndexError)) as theirs:

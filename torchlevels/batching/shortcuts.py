@@ -533,6 +533,37 @@ def einsum(cls, func, args, kwargs):
 
 _LETTERS = "ZYXWVUTSRQPONMLKJIHGFEDCBAzyxwvutsrqponmlkjihgfedcba"
 
+_SDPA_PARAMETERS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
+                    "enable_gqa")
+
+
+def attention(cls, func, args, kwargs):
+    """``F.scaled_dot_product_attention`` of batched query, key and value of one example
+    rank, with no dropout and no mask or an unbatched one of at most 2 dims: the batch is
+    one more leading dim. Examples of 4 dims or more, whose leading dims agree, have the
+    batch folded into their first, so the fused kernels (which take 4 dims) still run."""
+    given = dict(zip(_SDPA_PARAMETERS, args))
+    if len(args) > len(_SDPA_PARAMETERS) or given.keys() & kwargs.keys() or (
+            kwargs.keys() - set(_SDPA_PARAMETERS)):
+        return None
+    given.update(kwargs)
+    qkv = [_own(cls, given.pop(name, None)) for name in _SDPA_PARAMETERS[:3]]
+    mask = given.get("attn_mask")
+    if any(t is None for t in qkv) or len({t.dim() for t in qkv}) != 1 or given.get(
+            "dropout_p", 0.0) != 0.0 or not (mask is None or (
+                _unbatched(cls, mask) and mask.dim() <= 2)):
+        return None
+    batch, rank = qkv[0].shape[0], qkv[0].dim() - 1
+    if rank < 2 or (rank >= 4 and len({t.shape[:2] for t in qkv}) != 1):
+        return None
+    if rank >= 4:
+        qkv = [t.flatten(0, 1) for t in qkv]
+    try:
+        out = _call(func, qkv, given)
+    except (RuntimeError, IndexError, TypeError, ValueError):
+        return None  # the usual path raises torch's own error
+    return wrap_front(cls, out.unflatten(0, (batch, -1)) if rank >= 4 else out)
+
 
 def _declare(shortcut: Shortcut, *funcs: Callable) -> None:
     for func in funcs:
@@ -593,6 +624,7 @@ _declare(masked_fill, torch.Tensor.masked_fill)
 _declare(cat, torch.cat, torch.concat, torch.stack)
 _declare(matmul, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__)
 _declare(einsum, torch.einsum)
+_declare(attention, F.scaled_dot_product_attention)
 
 
 def _max_pool(func, args, kwargs):
