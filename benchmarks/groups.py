@@ -251,12 +251,12 @@ def attention_group() -> list[Benchmark]:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
     xs = torch.randn(16, seq, d)
-    qkv = [torch.randn(16, heads, seq, d // heads) for _ in range(3)]
+    per_head = [torch.randn(16, heads, seq, d // heads) for _ in range(3)]
     return [
         _three_ways("transformer block (32, 64), 4 heads, batch 16", block, block, (xs,),
                     target=None),
         _three_ways("scaled_dot_product_attention (4, 32, 16), causal, batch 16", attention,
-                    attention, qkv, target=None),
+                    attention, per_head, target=None),
         _autodiff("grad of the block, one sequence (32, 64)", lambda lib: lib.grad(loss),
                   (xs[0],), {PLAIN: lambda: plain_grads(xs[:1])[0]}, target=None),
         _autodiff("vmap(grad) of the block, batch 16", lambda lib: lib.vmap(lib.grad(loss)),
