@@ -788,7 +788,9 @@ GROUPS: dict[str, Group] = {
         "or `F.linear`. Most are answered in vmap's `__torch_function__` "
         "(torchlevels/batching/shortcuts.py), and under `grad` in the grad level's "
         "(torchlevels/grad_shortcuts.py). Also the gradient of the mean square of the "
-        "block's output, for one sequence and per sequence. No target.",
+        "block's output, for one sequence and per sequence, and PyTorch's fused attention "
+        "(`F.scaled_dot_product_attention`, causal) on each sequence's (4, 32, 16) query, "
+        "key and value, where torch.func loops over the examples. No target.",
         attention_group,
     ),
     "cnn": Group(
