@@ -709,7 +709,7 @@ def _batch_norm_recomputed(cls, x, weight, bias, running_mean, running_var, trai
         return NotImplemented
     if running_mean is not None or running_var is not None:
         torch.ops.aten.native_batch_norm.default(
-            *(unwrap_own(a, cls) for a in (x, weight, bias)), running_mean, running_var,
+            *(unwrap_own(a, cls) for a in (x, weight, bias, running_mean, running_var)),
             training, momentum, eps)
     out, mean, invstd = torch._decomp.decomposition_table[
         torch.ops.aten.native_batch_norm.default](x, weight, bias, None, None, training,
