@@ -694,6 +694,28 @@ def test_vmap_of_hessian_and_jacobian_of_hessian_through_training_batch_norm():
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
 
 
+def test_third_derivative_through_group_norm_batches_only_its_statistics_part():
+    # PyTorch's derivative of group norm, differentiated again, adds the part through the
+    # mean and rstd in place into the part through the output; here vmap (inside hessian)
+    # batched only the former (wide fuzzer seed 81491)
+    gen = torch.Generator().manual_seed(6)
+    x, v = (torch.randn(2, 4, 2, dtype=DTYPE, generator=gen) for _ in range(2))
+    w = torch.randn(4, 2, 2, dtype=DTYPE, generator=gen)
+
+    def f(z):
+        y = torch.nn.functional.group_norm(z, 2)
+        pooled, where = torch.nn.functional.max_pool1d(y, 2, return_indices=True)
+        y = torch.nn.functional.max_unpool1d(pooled, where, 2, output_size=[2])
+        return torch.nn.functional.conv_transpose1d(y, w).sum()
+
+    got = tl.grad(lambda z: tl.hessian(f)(z).sum())(x)
+    torch.testing.assert_close(got, ft.grad(lambda z: ft.hessian(f)(z).sum())(x))
+    step = 1e-5
+    hessian_sum = lambda z: torch.autograd.functional.hessian(f, z).sum()  # noqa: E731
+    expected = (hessian_sum(x + step * v) - hessian_sum(x - step * v)) / (2 * step)
+    torch.testing.assert_close((got * v).sum(), expected, rtol=1e-5, atol=1e-6)
+
+
 def test_forward_over_forward_through_batch_norm_updates_running_stats_once():
     # the forward-mode formula is replaced by a decomposition here; the running statistics
     # are still updated by the op, as one forward call updates them

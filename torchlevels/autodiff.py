@@ -176,6 +176,9 @@ class GradLevel(Level):
                 bool(kwargs) and _captures_tracked(cls, kwargs.values()))
         if func in _DECOMPOSED_WHEN_TRACKED and any(type(a) is cls for a in args):
             return _DECOMPOSED_WHEN_TRACKED[func](*args, **kwargs)
+        if func in _DECOMPOSED_WHEN_DIFFERENTIATED and any(
+                type(a) is cls and differentiated(a._inner) for a in args):
+            return _DECOMPOSED_WHEN_DIFFERENTIATED[func](*args, **kwargs)
         inner_args = [unwrap_own(a, cls) for a in args]
         inner_kwargs = {k: unwrap_own(v, cls) for k, v in kwargs.items()} if kwargs else {}
         inplace = writes_first_argument(func)
@@ -687,6 +690,18 @@ _DECOMPOSED_WHEN_TRACKED = {
     torch.ops.aten.batch_norm_backward.default: decompositions_for_jvp.batch_norm_backward,
     torch.ops.aten.native_layer_norm_backward.default:
         decompositions_for_jvp.native_layer_norm_backward,
+}
+
+
+# Group norm's derivative, when it is itself differentiated (PyTorch's
+# infinitely_differentiable_native_group_norm_backward), adds the part through the mean and
+# rstd in place into the part through the output: a vmap inside the outer derivative that
+# batches only the former may not write it. Where a level or autograd outside the grad level
+# differentiates an argument, group norm runs as its decomposition, whose derivatives are
+# out of place.
+_DECOMPOSED_WHEN_DIFFERENTIATED = {
+    torch.ops.aten.native_group_norm.default:
+        torch._decomp.decomposition_table[torch.ops.aten.native_group_norm.default],
 }
 
 
