@@ -716,6 +716,75 @@ def test_third_derivative_through_group_norm_batches_only_its_statistics_part():
     torch.testing.assert_close((got * v).sum(), expected, rtol=1e-5, atol=1e-6)
 
 
+_MIXING, _RHS = (torch.randn(3, n, dtype=DTYPE, generator=torch.Generator().manual_seed(n))
+                 for n in (3, 2))
+
+
+def _matrix(x: torch.Tensor) -> torch.Tensor:
+    """A well-conditioned matrix, not symmetric, that depends on ``x`` of shape (3,)."""
+    return (torch.diag(torch.arange(2.0, 8.0, 2.0, dtype=x.dtype)) + 0.3 * torch.outer(x, x.sin())
+            + 0.05 * _MIXING * x.sum())
+
+
+LU_LOSSES = {
+    "solve": lambda x: (torch.linalg.solve(_matrix(x), _RHS) * _RHS).sum(),
+    "solve_vector": lambda x: torch.linalg.solve(_matrix(x), _RHS[:, 0]).pow(2).sum(),
+    "solve_right": lambda x: torch.linalg.solve(_matrix(x), _RHS.mT, left=False).pow(2).sum(),
+    "solve_ex": lambda x: (torch.linalg.solve_ex(_matrix(x), _RHS)[0] * _RHS).sum(),
+    "tensorsolve": lambda x: torch.linalg.tensorsolve(_matrix(x), _RHS[:, 1]).pow(2).sum(),
+    "det": lambda x: torch.linalg.det(_matrix(x)),
+    "slogdet": lambda x: torch.linalg.slogdet(_matrix(x))[1],
+    "logdet": lambda x: torch.logdet(_matrix(x)),
+}
+
+
+def _nested(names: str, f: Callable) -> Callable:
+    for name in reversed(names.replace(")", "").split("(")):
+        f = getattr(tl, name)(f)
+    return f
+
+
+# PyTorch's forward-AD formulas of linalg.solve, det and slogdet solve with the LU factors
+# they saved, which carry no derivative, and det's backward formula differentiated twice
+# is wrong too: torch.func gets these wrong. The references are plain autograd's Hessian
+# (reverse over reverse) and its central differences.
+@pytest.mark.parametrize("transform", ["jacfwd(jacfwd)", "jacrev(jacfwd)", "jacfwd(jacrev)",
+                                       "hessian"])
+@pytest.mark.parametrize("loss", LU_LOSSES.values(), ids=LU_LOSSES.keys())
+def test_second_derivatives_through_lu_factorizations(transform, loss):
+    x = torch.randn(3, dtype=DTYPE, generator=torch.Generator().manual_seed(9))
+    expected = torch.autograd.functional.hessian(loss, x)
+    torch.testing.assert_close(_nested(transform, loss)(x), expected)
+
+
+@pytest.mark.parametrize("transform", ["jacrev(hessian)", "jacfwd(hessian)",
+                                       "jacfwd(jacfwd(jacfwd))", "jacrev(jacfwd(jacrev))"])
+@pytest.mark.parametrize("loss", LU_LOSSES.values(), ids=LU_LOSSES.keys())
+def test_third_derivatives_through_lu_factorizations(transform, loss):
+    gen = torch.Generator().manual_seed(10)
+    x, v = (torch.randn(3, dtype=DTYPE, generator=gen) for _ in range(2))
+    step = 1e-5
+    hessian = functools.partial(torch.autograd.functional.hessian, loss)
+    expected = (hessian(x + step * v) - hessian(x - step * v)) / (2 * step)
+    got = _nested(transform, loss)(x) @ v
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("transform", ["hessian", "jacrev(jacrev)", "jacfwd(jacrev)"])
+def test_second_derivative_of_det_at_a_singular_matrix(transform):
+    # the LU factorization that third derivatives of det use has a wrong second
+    # derivative at an exactly singular matrix: second derivatives keep PyTorch's formula.
+    # The reference is det written out as a polynomial.
+    def det3(a):
+        return (a[0, 0] * (a[1, 1] * a[2, 2] - a[1, 2] * a[2, 1])
+                - a[0, 1] * (a[1, 0] * a[2, 2] - a[1, 2] * a[2, 0])
+                + a[0, 2] * (a[1, 0] * a[2, 1] - a[1, 1] * a[2, 0]))
+
+    singular = torch.tensor([[1.0, 2.0, 3.0], [2.0, 4.0, 6.0], [0.0, 1.0, 1.0]], dtype=DTYPE)
+    expected = torch.autograd.functional.hessian(det3, singular)
+    torch.testing.assert_close(_nested(transform, torch.linalg.det)(singular), expected)
+
+
 def test_forward_over_forward_through_batch_norm_updates_running_stats_once():
     # the forward-mode formula is replaced by a decomposition here; the running statistics
     # are still updated by the op, as one forward call updates them

@@ -30,7 +30,7 @@ import torch._decomp
 import torch.autograd.forward_ad as fwAD
 from torch._decomp import decompositions_for_jvp
 
-from torchlevels import grad_shortcuts
+from torchlevels import grad_shortcuts, lu_recomputed
 from torchlevels._level import (
     Level,
     LevelTensor,
@@ -179,6 +179,8 @@ class GradLevel(Level):
         if func in _DECOMPOSED_WHEN_DIFFERENTIATED and any(
                 type(a) is cls and differentiated(a._inner) for a in args):
             return _DECOMPOSED_WHEN_DIFFERENTIATED[func](*args, **kwargs)
+        if func in _DECOMPOSED_WHEN_DIFFERENTIATED_TWICE and _differentiated_twice(cls, args):
+            return _DECOMPOSED_WHEN_DIFFERENTIATED_TWICE[func](*args, **kwargs)
         inner_args = [unwrap_own(a, cls) for a in args]
         inner_kwargs = {k: unwrap_own(v, cls) for k, v in kwargs.items()} if kwargs else {}
         inplace = writes_first_argument(func)
@@ -468,6 +470,8 @@ class JvpLevel(Level):
             out = _NORMS_WITH_SAVED_STATS[func](cls, *args, **kwargs)
             if out is not NotImplemented:
                 return out
+        if func in lu_recomputed.RECOMPUTED and _differentiated_outside(cls, args):
+            return lu_recomputed.RECOMPUTED[func](*args, **kwargs)
         if _shapes_only(args):
             # PyTorch runs an op on meta copies to learn an output's shape (adding a
             # ZeroTensor tangent): the primal alone, with no derivative of any kind
@@ -697,12 +701,34 @@ _DECOMPOSED_WHEN_TRACKED = {
 # infinitely_differentiable_native_group_norm_backward), adds the part through the mean and
 # rstd in place into the part through the output: a vmap inside the outer derivative that
 # batches only the former may not write it. Where a level or autograd outside the grad level
-# differentiates an argument, group norm runs as its decomposition, whose derivatives are
-# out of place.
+# differentiates an argument, it runs as its decomposition, whose derivatives are out of
+# place.
 _DECOMPOSED_WHEN_DIFFERENTIATED = {
     torch.ops.aten.native_group_norm.default:
         torch._decomp.decomposition_table[torch.ops.aten.native_group_norm.default],
 }
+
+# det's derivative, differentiated twice, comes out wrong (from PyTorch's formula for
+# singular matrices, which it uses for every tensor subclass, and the LU factors it saved).
+# Where two levels outside the grad level differentiate an argument (a third derivative),
+# det runs as an LU factorization whose derivatives are right. Not where one does: that
+# factorization's second derivative at an exactly singular matrix is wrong, PyTorch's right.
+_DECOMPOSED_WHEN_DIFFERENTIATED_TWICE = {torch.ops.aten._linalg_det.default: lu_recomputed.det}
+
+
+def _differentiated_twice(cls, args: tuple) -> bool:
+    """Whether two levels outside grad level ``cls`` (or one and autograd) may
+    differentiate an argument."""
+    for a in args:
+        if type(a) is cls:
+            count = 0
+            t = a._inner
+            while isinstance(t, LevelTensor):
+                count += t._level.differentiates
+                t = t._inner
+            if count + (isinstance(t, torch.Tensor) and tracked_outside(t)) >= 2:
+                return True
+    return False
 
 
 def _layer_norm_recomputed(cls, *args, **kwargs):
