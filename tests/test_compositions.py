@@ -720,6 +720,31 @@ _MIXING, _RHS = (torch.randn(3, n, dtype=DTYPE, generator=torch.Generator().manu
                  for n in (3, 2))
 
 
+def test_first_derivatives_keep_group_norm_whole(monkeypatch):
+    # the decomposition above is for derivatives of derivatives: a grad level's own
+    # tracking of its inputs (unbatched weights under per-sample gradients) is not one
+    import torchlevels.autodiff as autodiff
+
+    op = torch.ops.aten.native_group_norm.default
+    decomposed = []
+    decomposition = autodiff._DECOMPOSED_WHEN_DIFFERENTIATED[op]
+    monkeypatch.setitem(autodiff._DECOMPOSED_WHEN_DIFFERENTIATED, op,
+                        lambda *a, **k: decomposed.append(op) or decomposition(*a, **k))
+    gen = torch.Generator().manual_seed(11)
+    xs = torch.randn(3, 2, 4, 5, dtype=DTYPE, generator=gen)
+    w, b = torch.randn(4, dtype=DTYPE, generator=gen), torch.randn(4, dtype=DTYPE, generator=gen)
+
+    def loss(w, b, x):
+        return torch.nn.functional.group_norm(x, 2, w, b).sin().sum()
+
+    per_example = tl.vmap(tl.grad(loss, (0, 1)), in_dims=(None, None, 0))(w, b, xs)
+    torch.testing.assert_close(per_example,
+                               ft.vmap(ft.grad(loss, (0, 1)), in_dims=(None, None, 0))(w, b, xs))
+    assert not decomposed
+    tl.hessian(loss, 2)(w, b, xs[0])
+    assert decomposed
+
+
 def _matrix(x: torch.Tensor) -> torch.Tensor:
     """A well-conditioned matrix, not symmetric, that depends on ``x`` of shape (3,)."""
     return (torch.diag(torch.arange(2.0, 8.0, 2.0, dtype=x.dtype)) + 0.3 * torch.outer(x, x.sin())

@@ -176,10 +176,9 @@ class GradLevel(Level):
                 bool(kwargs) and _captures_tracked(cls, kwargs.values()))
         if func in _DECOMPOSED_WHEN_TRACKED and any(type(a) is cls for a in args):
             return _DECOMPOSED_WHEN_TRACKED[func](*args, **kwargs)
-        if func in _DECOMPOSED_WHEN_DIFFERENTIATED and any(
-                type(a) is cls and differentiated(a._inner) for a in args):
+        if func in _DECOMPOSED_WHEN_DIFFERENTIATED and _differentiations(cls, args) >= 2:
             return _DECOMPOSED_WHEN_DIFFERENTIATED[func](*args, **kwargs)
-        if func in _DECOMPOSED_WHEN_DIFFERENTIATED_TWICE and _differentiated_twice(cls, args):
+        if func in _DECOMPOSED_WHEN_DIFFERENTIATED_TWICE and _differentiations(cls, args) >= 3:
             return _DECOMPOSED_WHEN_DIFFERENTIATED_TWICE[func](*args, **kwargs)
         inner_args = [unwrap_own(a, cls) for a in args]
         inner_kwargs = {k: unwrap_own(v, cls) for k, v in kwargs.items()} if kwargs else {}
@@ -700,9 +699,8 @@ _DECOMPOSED_WHEN_TRACKED = {
 # Group norm's derivative, when it is itself differentiated (PyTorch's
 # infinitely_differentiable_native_group_norm_backward), adds the part through the mean and
 # rstd in place into the part through the output: a vmap inside the outer derivative that
-# batches only the former may not write it. Where a level or autograd outside the grad level
-# differentiates an argument, it runs as its decomposition, whose derivatives are out of
-# place.
+# batches only the former may not write it. Where a second level (or autograd outside)
+# differentiates it, it runs as its decomposition, whose derivatives are out of place.
 _DECOMPOSED_WHEN_DIFFERENTIATED = {
     torch.ops.aten.native_group_norm.default:
         torch._decomp.decomposition_table[torch.ops.aten.native_group_norm.default],
@@ -710,25 +708,28 @@ _DECOMPOSED_WHEN_DIFFERENTIATED = {
 
 # det's derivative, differentiated twice, comes out wrong (from PyTorch's formula for
 # singular matrices, which it uses for every tensor subclass, and the LU factors it saved).
-# Where two levels outside the grad level differentiate an argument (a third derivative),
-# det runs as an LU factorization whose derivatives are right. Not where one does: that
-# factorization's second derivative at an exactly singular matrix is wrong, PyTorch's right.
+# Where three levels differentiate it (a third derivative), det runs as an LU factorization
+# whose derivatives are right. Not where two do: that factorization's second derivative at
+# an exactly singular matrix is wrong, PyTorch's right.
 _DECOMPOSED_WHEN_DIFFERENTIATED_TWICE = {torch.ops.aten._linalg_det.default: lu_recomputed.det}
 
 
-def _differentiated_twice(cls, args: tuple) -> bool:
-    """Whether two levels outside grad level ``cls`` (or one and autograd) may
-    differentiate an argument."""
+def _differentiations(cls, args: tuple) -> int:
+    """How many levels, autograd outside counting as one, may differentiate an op run on
+    ``args`` at grad level ``cls`` (the most over the arguments): this level where it
+    tracks an argument, a level inside that records the op on this level's tensors (a
+    grad shortcut runs a whole call on them), and the levels outside."""
+    most = 0
     for a in args:
         if type(a) is cls:
-            count = 0
             t = a._inner
+            count = requires_grad_flag(t) + requires_grad_flag(a)
             while isinstance(t, LevelTensor):
                 count += t._level.differentiates
                 t = t._inner
-            if count + (isinstance(t, torch.Tensor) and tracked_outside(t)) >= 2:
-                return True
-    return False
+            # not requires_grad: a level's own graph sets it on the tensors it tracks
+            most = max(most, count + (isinstance(t, torch.Tensor) and tracked_outside(t)))
+    return most
 
 
 def _layer_norm_recomputed(cls, *args, **kwargs):
