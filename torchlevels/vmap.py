@@ -35,6 +35,8 @@ from torchlevels._level import (
 )
 from torchlevels._torch_compile import eager
 from torchlevels.batching import predispatch, shortcuts
+from torchlevels.batching.dims import pad_to_rank
+from torchlevels.batching.pointwise import broadcasting
 from torchlevels.batching.registry import (
     How,
     no_examples,
@@ -197,23 +199,38 @@ def wrap_outputs(cls, func, inplace: bool, args, out, out_dims):
     return type(out)(wrapped)
 
 def _pointwise_fast_path(cls, func, args, kwargs):
-    """The common pointwise case in one pass: all tensors ours, batch dim 0, equal rank."""
+    """The common pointwise case in one pass: our tensors batched at dim 0, other tensors
+    of no more dims than the examples (they broadcast against them as they are), nothing
+    that autograd outside tracks. Examples of fewer dims than others get size-1 dims after
+    the batch dim, so that they broadcast as they would unbatched."""
     phys = []
-    rank = -1
+    rank = low = 0  # the most and the fewest dims of our physical tensors
+    others = 0  # one more than the most dims of another tensor
     for a in args:
         if type(a) is cls:
             inner = a._inner
-            if a._bdim or requires_grad_flag(inner) or (rank != inner.dim() and rank != -1):
+            if a._bdim or (requires_grad_flag(inner) and tracked_outside(inner)):
                 return None
-            rank = inner.dim()
+            r = inner.dim()
+            rank, low = max(rank, r), min(low, r) if low else r
             phys.append(inner)
         elif isinstance(a, torch.Tensor):
-            return None
+            if (requires_grad_flag(a) and tracked_outside(a)) or a._is_zerotensor() or (
+                    a.is_conj() or a.is_neg()):
+                return None
+            others = max(others, a.dim() + 1)
+            phys.append(a)
         else:
             phys.append(a)
-    if rank == -1:  # our tensor was in kwargs: not this path
+    if rank == low and not others:
+        return wrap_all_front(cls, func(*phys, **kwargs))
+    if not rank or others > rank or low == 1:
+        # our tensor was in kwargs, another tensor outranks the examples, or 0-dim examples
+        # (whose dtype promotes as a dimensioned tensor's) meet others: the rule decides
         return None
-    return wrap_all_front(cls, func(*phys, **kwargs))
+    if rank != low:
+        phys = [pad_to_rank(p, rank - 1) if type(a) is cls else p for a, p in zip(args, phys)]
+    return wrap_all_front(cls, broadcasting(func, phys, kwargs))
 
 
 def wrap_batched(cls, inner: torch.Tensor, bdim: int) -> torch.Tensor:

@@ -58,7 +58,11 @@ def materialize(x: torch.Tensor, bdim: int | None, size: int) -> torch.Tensor:
 
 def pad_to_rank(x: torch.Tensor, rank: int) -> torch.Tensor:
     """A front-batched ``x`` with size-1 dims after the batch dim up to logical ``rank``."""
-    missing = rank - (x.dim() - 1)
+    missing = rank + 1 - x.dim()
     if missing <= 0:
         return x
-    return x.reshape(x.shape[:1] + (1,) * missing + x.shape[1:])
+    if missing == 1:
+        return x.unsqueeze(1)
+    shape = list(x.shape)
+    shape[1:1] = [1] * missing
+    return x.view(shape)

@@ -47,14 +47,14 @@ def pointwise_rule(func, args, dims, kwargs):
         raise_inplace_unbatched_self(func)
     promote = scalar_batched and len(dtypes) > 1
     if fast and not promote:
-        return _broadcasting(func, args, kwargs), 0
+        return broadcasting(func, args, kwargs), 0
     phys = [pad_to_rank(to_front(a, d), rank) if d is not None else a for a, d in zip(args, dims)]
     if promote:
         phys = _promote_batched_scalars(func, phys, args, dims)
-    return _broadcasting(func, phys, kwargs), 0
+    return broadcasting(func, phys, kwargs), 0
 
 
-def _broadcasting(func, args, kwargs):
+def broadcasting(func, args, kwargs):
     """``func(*args)``, its tensors expanded to one shape where the kernel rejects
     broadcasting them (float32 gelu_backward on the CPU, through oneDNN)."""
     try:
