@@ -751,7 +751,7 @@ def _matrix(x: torch.Tensor) -> torch.Tensor:
             + 0.05 * _MIXING * x.sum())
 
 
-LU_LOSSES = {
+LINALG_LOSSES = {
     "solve": lambda x: (torch.linalg.solve(_matrix(x), _RHS) * _RHS).sum(),
     "solve_vector": lambda x: torch.linalg.solve(_matrix(x), _RHS[:, 0]).pow(2).sum(),
     "solve_right": lambda x: torch.linalg.solve(_matrix(x), _RHS.mT, left=False).pow(2).sum(),
@@ -760,6 +760,9 @@ LU_LOSSES = {
     "det": lambda x: torch.linalg.det(_matrix(x)),
     "slogdet": lambda x: torch.linalg.slogdet(_matrix(x))[1],
     "logdet": lambda x: torch.logdet(_matrix(x)),
+    "triangular_solve": lambda x: torch.triangular_solve(_RHS, _matrix(x))[0].pow(2).sum(),
+    "householder_product": lambda x: (torch.linalg.householder_product(
+        _matrix(x)[:, :2], x[:2].tanh()) * _RHS).sum(),
 }
 
 
@@ -770,13 +773,14 @@ def _nested(names: str, f: Callable) -> Callable:
 
 
 # PyTorch's forward-AD formulas of linalg.solve, det and slogdet solve with the LU factors
-# they saved, which carry no derivative, and det's backward formula differentiated twice
-# is wrong too: torch.func gets these wrong. The references are plain autograd's Hessian
+# they saved, which carry no derivative, det's backward formula differentiated twice is
+# wrong too, and so are forward derivatives of derivatives of triangular_solve and
+# householder_product: torch.func gets these wrong. The references are plain autograd's Hessian
 # (reverse over reverse) and its central differences.
 @pytest.mark.parametrize("transform", ["jacfwd(jacfwd)", "jacrev(jacfwd)", "jacfwd(jacrev)",
                                        "hessian"])
-@pytest.mark.parametrize("loss", LU_LOSSES.values(), ids=LU_LOSSES.keys())
-def test_second_derivatives_through_lu_factorizations(transform, loss):
+@pytest.mark.parametrize("loss", LINALG_LOSSES.values(), ids=LINALG_LOSSES.keys())
+def test_second_derivatives_through_linalg_ops(transform, loss):
     x = torch.randn(3, dtype=DTYPE, generator=torch.Generator().manual_seed(9))
     expected = torch.autograd.functional.hessian(loss, x)
     torch.testing.assert_close(_nested(transform, loss)(x), expected)
@@ -784,8 +788,8 @@ def test_second_derivatives_through_lu_factorizations(transform, loss):
 
 @pytest.mark.parametrize("transform", ["jacrev(hessian)", "jacfwd(hessian)",
                                        "jacfwd(jacfwd(jacfwd))", "jacrev(jacfwd(jacrev))"])
-@pytest.mark.parametrize("loss", LU_LOSSES.values(), ids=LU_LOSSES.keys())
-def test_third_derivatives_through_lu_factorizations(transform, loss):
+@pytest.mark.parametrize("loss", LINALG_LOSSES.values(), ids=LINALG_LOSSES.keys())
+def test_third_derivatives_through_linalg_ops(transform, loss):
     gen = torch.Generator().manual_seed(10)
     x, v = (torch.randn(3, dtype=DTYPE, generator=gen) for _ in range(2))
     step = 1e-5
@@ -808,6 +812,36 @@ def test_second_derivative_of_det_at_a_singular_matrix(transform):
     singular = torch.tensor([[1.0, 2.0, 3.0], [2.0, 4.0, 6.0], [0.0, 1.0, 1.0]], dtype=DTYPE)
     expected = torch.autograd.functional.hessian(det3, singular)
     torch.testing.assert_close(_nested(transform, torch.linalg.det)(singular), expected)
+
+
+_BN_WEIGHT, _BN_BIAS = (torch.randn(3, dtype=DTYPE, generator=torch.Generator().manual_seed(n))
+                        for n in (12, 13))
+_BN_MIX = torch.randn(4, 3, 2, dtype=DTYPE, generator=torch.Generator().manual_seed(14))
+_aten = torch.ops.aten
+TANGENT_LOSSES = {  # aten ops whose forward formulas give tangents not differentiable right
+    "_native_batch_norm_legit": lambda x: _aten._native_batch_norm_legit(
+        x, _BN_WEIGHT, _BN_BIAS, torch.zeros(3, dtype=DTYPE), torch.ones(3, dtype=DTYPE),
+        True, 0.1, 1e-5)[0],
+    "_native_batch_norm_legit.no_stats": lambda x: _aten._native_batch_norm_legit.no_stats(
+        x, _BN_WEIGHT, _BN_BIAS, True, 0.1, 1e-5)[0],
+    "_batch_norm_with_update": lambda x: _aten._batch_norm_with_update(
+        x, _BN_WEIGHT, _BN_BIAS, torch.zeros(3, dtype=DTYPE), torch.ones(3, dtype=DTYPE),
+        0.1, 1e-5)[0],
+    "glu": lambda x: torch.nn.functional.glu(x, 0).sin() * 3,  # glu_jvp has no derivative
+}
+
+
+@pytest.mark.parametrize("transform", ["jacfwd(jacfwd)", "jacrev(jacfwd)", "jacfwd(jacrev)"])
+@pytest.mark.parametrize("op", TANGENT_LOSSES.values(), ids=TANGENT_LOSSES.keys())
+def test_second_derivatives_through_forward_formulas(transform, op):
+    x = torch.randn(4, 3, 2, dtype=DTYPE, generator=torch.Generator().manual_seed(15))
+
+    def loss(z):
+        out = op(z)
+        return (out * _BN_MIX[: out.shape[0]]).sum()
+
+    torch.testing.assert_close(_nested(transform, loss)(x),
+                               torch.autograd.functional.hessian(loss, x))
 
 
 def test_forward_over_forward_through_batch_norm_updates_running_stats_once():

@@ -156,6 +156,12 @@ def _hvp(lib, f, n: int):
     return lambda *xs: lib.jvp(lib.grad(f, argnums=tuple(range(n))), xs, _tangents(xs))[1]
 
 
+# torch.func's product is wrong here (forward mode over triangular_solve's backward reads
+# the whole matrix); torchlevels' matches finite differences, checked in
+# test_compositions.py::test_second_derivatives_through_linalg_ops
+TORCH_FUNC_HVP_WRONG = ("triangular_solve.",)
+
+
 def test_per_example_hessian_vector_products_of_every_opinfo_match_torch_func():
     """vmap(jvp(grad)) over the first samples against torch.func's jvp(grad) of each
     example: backward formulas that take a shortcut unless their pass is recorded
@@ -163,6 +169,8 @@ def test_per_example_hessian_vector_products_of_every_opinfo_match_torch_func():
     warnings.simplefilter("ignore")
     behind, wrong, checked = [], [], 0
     for name, f, batched in _cases(forward_over_reverse=True):
+        if name.startswith(TORCH_FUNC_HVP_WRONG):
+            continue
         n = len(batched)
         try:
             with _RandomOpSpy() as spy:

@@ -30,7 +30,7 @@ import torch._decomp
 import torch.autograd.forward_ad as fwAD
 from torch._decomp import decompositions_for_jvp
 
-from torchlevels import grad_shortcuts, lu_recomputed
+from torchlevels import grad_shortcuts, linalg_recomputed
 from torchlevels._level import (
     Level,
     LevelTensor,
@@ -469,8 +469,8 @@ class JvpLevel(Level):
             out = _NORMS_WITH_SAVED_STATS[func](cls, *args, **kwargs)
             if out is not NotImplemented:
                 return out
-        if func in lu_recomputed.RECOMPUTED and _differentiated_outside(cls, args):
-            return lu_recomputed.RECOMPUTED[func](*args, **kwargs)
+        if func in _DIFFERENTIABLE_FORWARD and _differentiated_outside(cls, args):
+            return _DIFFERENTIABLE_FORWARD[func](*args, **kwargs)
         if _shapes_only(args):
             # PyTorch runs an op on meta copies to learn an output's shape (adding a
             # ZeroTensor tangent): the primal alone, with no derivative of any kind
@@ -699,11 +699,14 @@ _DECOMPOSED_WHEN_TRACKED = {
 # Group norm's derivative, when it is itself differentiated (PyTorch's
 # infinitely_differentiable_native_group_norm_backward), adds the part through the mean and
 # rstd in place into the part through the output: a vmap inside the outer derivative that
-# batches only the former may not write it. Where a second level (or autograd outside)
-# differentiates it, it runs as its decomposition, whose derivatives are out of place.
+# batches only the former may not write it. triangular_solve's derivative, differentiated
+# by forward mode, reads the whole matrix where the op reads its triangle. Where a second
+# level (or autograd outside) differentiates them, they run as decompositions whose
+# derivatives are right (group norm's out of place; see linalg_recomputed.py).
 _DECOMPOSED_WHEN_DIFFERENTIATED = {
     torch.ops.aten.native_group_norm.default:
         torch._decomp.decomposition_table[torch.ops.aten.native_group_norm.default],
+    torch.ops.aten.triangular_solve.default: linalg_recomputed.triangular_solve,
 }
 
 # det's derivative, differentiated twice, comes out wrong (from PyTorch's formula for
@@ -711,7 +714,7 @@ _DECOMPOSED_WHEN_DIFFERENTIATED = {
 # Where three levels differentiate it (a third derivative), det runs as an LU factorization
 # whose derivatives are right. Not where two do: that factorization's second derivative at
 # an exactly singular matrix is wrong, PyTorch's right.
-_DECOMPOSED_WHEN_DIFFERENTIATED_TWICE = {torch.ops.aten._linalg_det.default: lu_recomputed.det}
+_DECOMPOSED_WHEN_DIFFERENTIATED_TWICE = {torch.ops.aten._linalg_det.default: linalg_recomputed.det}
 
 
 def _differentiations(cls, args: tuple) -> int:
@@ -759,6 +762,17 @@ def _batch_norm_recomputed(cls, x, weight, bias, running_mean, running_var, trai
     return out, mean.detach(), invstd.detach()
 
 
+def _batch_norm_with_update_recomputed(cls, x, weight, bias, running_mean, running_var,
+                                       momentum, eps):
+    """_batch_norm_with_update (training mode) as :func:`_batch_norm_recomputed` does it,
+    with the op's reserve output."""
+    *_, reserve = torch.ops.aten._batch_norm_with_update.default(
+        *(unwrap_own(a, cls) for a in (x, weight, bias, running_mean, running_var)),
+        momentum, eps)
+    return (*_batch_norm_recomputed(cls, x, weight, bias, None, None, True, momentum, eps),
+            reserve)
+
+
 # Norms whose forward-AD formulas read the saved mean and invstd, which carry no derivative
 # of their own: a derivative taken of the tangent (jacfwd(jacfwd), jacrev(jacfwd)) misses
 # how they depend on the input, in PyTorch too (pytorch/pytorch#196699, #196700). Where a
@@ -766,6 +780,20 @@ def _batch_norm_recomputed(cls, x, weight, bias, running_mean, running_var, trai
 _NORMS_WITH_SAVED_STATS = {
     torch.ops.aten.native_layer_norm.default: _layer_norm_recomputed,
     torch.ops.aten.native_batch_norm.default: _batch_norm_recomputed,
+    torch.ops.aten._native_batch_norm_legit.default: _batch_norm_recomputed,
+    torch.ops.aten._native_batch_norm_legit.no_stats:
+        lambda cls, x, weight, bias, training, momentum, eps: _batch_norm_recomputed(
+            cls, x, weight, bias, None, None, training, momentum, eps),
+    torch.ops.aten._batch_norm_with_update.default: _batch_norm_with_update_recomputed,
+}
+
+# Ops whose forward-AD formulas give a tangent that cannot be differentiated right: linalg
+# ops' (linalg_recomputed.py: LU factors saved as constants and the like), glu's, which
+# runs glu_jvp, an op with no derivative. Where a level or autograd outside differentiates
+# an argument, they run as decompositions whose tangents can be.
+_DIFFERENTIABLE_FORWARD = {
+    **linalg_recomputed.RECOMPUTED,
+    torch.ops.aten.glu.default: torch._decomp.decomposition_table[torch.ops.aten.glu.default],
 }
 
 

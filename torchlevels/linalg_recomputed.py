@@ -1,5 +1,6 @@
-"""linalg.solve, det and slogdet as an LU factorization whose factors carry derivatives.
+"""Linear-algebra ops written with ops whose derivatives are right at every order.
 
+linalg.solve, det and slogdet as an LU factorization whose factors carry derivatives.
 PyTorch's ``_linalg_solve_ex``, ``_linalg_det`` and ``_linalg_slogdet`` return the LU
 factors they computed as outputs that are not differentiable, and their forward-AD
 formulas (and det's backward formula) solve with those factors. A derivative taken of
@@ -8,6 +9,10 @@ the factors as constants and misses how they depend on the matrix: the result is
 in torch.func too. The same ops written with ``linalg.lu_factor_ex``, whose factors are
 differentiable outputs, and ``linalg.lu_solve`` are right at every order. The autodiff
 levels run these decompositions where something outside differentiates an argument.
+
+The same holds for ``triangular_solve`` (whose derivatives of derivatives read the whole
+matrix, not its triangle) and ``linalg.householder_product``: they are written here with
+``linalg.solve_triangular`` and with the reflections multiplied out.
 
 They return the factors the ops return: det and slogdet factor ``A`` transposed when it
 is contiguous and real, as the ops do.
@@ -75,8 +80,45 @@ def slogdet(A: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return sign, diagonal.abs().log().sum(-1), LU, pivots
 
 
+def triangular_solve(b: torch.Tensor, A: torch.Tensor, upper: bool = True,
+                     transpose: bool = False, unitriangular: bool = False,
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``aten.triangular_solve``: (X, a copy of ``A``) with ``op(T) X = b``, ``T`` the upper
+    (or lower) triangle of ``A``, ``op`` a transpose or not.
+
+    >>> triangular_solve(torch.ones(2, 1), torch.tensor([[2.0, 9.0], [9.0, 4.0]]))[0]
+    tensor([[-0.6250],
+            [ 0.2500]])
+    """
+    triangle = A.triu() if upper else A.tril()
+    if transpose:
+        triangle, upper = triangle.mT, not upper
+    return (torch.linalg.solve_triangular(triangle, b, upper=upper, unitriangular=unitriangular),
+            A.clone())
+
+
+def householder_product(V: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
+    """``aten.linalg_householder_product``: the first columns of ``H_1 H_2 ... H_k``, with
+    ``H_i = I - tau_i v_i v_i^H`` and ``v_i`` column ``i`` of ``V`` below the diagonal, 1 on it.
+
+    >>> householder_product(torch.zeros(2, 1), torch.tensor([2.0]))
+    tensor([[-1.],
+            [ 0.]])
+    """
+    m, n = V.shape[-2:]
+    eye = torch.eye(m, dtype=V.dtype, device=V.device)
+    reflectors = V.tril(-1) + eye[:, :n]
+    q = eye.expand(*V.shape[:-2], m, m)
+    for i in range(tau.shape[-1]):
+        v = reflectors[..., i:i + 1]
+        q = q - (q @ v) * tau[..., i, None, None] @ v.mH
+    return q[..., :n]
+
+
 RECOMPUTED = {
     aten._linalg_solve_ex.default: solve_ex,
     aten._linalg_det.default: det,
     aten._linalg_slogdet.default: slogdet,
+    aten.triangular_solve.default: triangular_solve,
+    aten.linalg_householder_product.default: householder_product,
 }
