@@ -222,11 +222,13 @@ def _pointwise_fast_path(cls, func, args, kwargs):
             phys.append(a)
         else:
             phys.append(a)
+    if not rank:  # our tensor was in kwargs: not this path
+        return None
     if rank == low and not others:
         return wrap_all_front(cls, func(*phys, **kwargs))
-    if not rank or others > rank or low == 1:
-        # our tensor was in kwargs, another tensor outranks the examples, or 0-dim examples
-        # (whose dtype promotes as a dimensioned tensor's) meet others: the rule decides
+    if others > rank or low == 1:
+        # another tensor outranks the examples, or 0-dim examples (whose dtype promotes
+        # as a dimensioned tensor's) meet others: the rule decides
         return None
     if rank != low:
         phys = [pad_to_rank(p, rank - 1) if type(a) is cls else p for a, p in zip(args, phys)]
