@@ -176,10 +176,9 @@ class GradLevel(Level):
                 bool(kwargs) and _captures_tracked(cls, kwargs.values()))
         if func in _DECOMPOSED_WHEN_TRACKED and any(type(a) is cls for a in args):
             return _DECOMPOSED_WHEN_TRACKED[func](*args, **kwargs)
-        if func in _DECOMPOSED_WHEN_DIFFERENTIATED and _differentiations(cls, args) >= 2:
-            return _DECOMPOSED_WHEN_DIFFERENTIATED[func](*args, **kwargs)
-        if func in _DECOMPOSED_WHEN_DIFFERENTIATED_TWICE and _differentiations(cls, args) >= 3:
-            return _DECOMPOSED_WHEN_DIFFERENTIATED_TWICE[func](*args, **kwargs)
+        decomposed = _DECOMPOSED_WHEN_DIFFERENTIATED.get(func)
+        if decomposed is not None and _differentiations(cls, args) >= decomposed[0]:
+            return decomposed[1](*args, **kwargs)
         inner_args = [unwrap_own(a, cls) for a in args]
         inner_kwargs = {k: unwrap_own(v, cls) for k, v in kwargs.items()} if kwargs else {}
         inplace = writes_first_argument(func)
@@ -465,12 +464,11 @@ class JvpLevel(Level):
             return _jvp_inplace_view(cls, view, args, kwargs)
         if func in _DECOMPOSED_UNDER_AUTOGRAD and _tracked_by_autograd(cls, args):
             return _DECOMPOSED_UNDER_AUTOGRAD[func](*args, **kwargs)
-        if func in _NORMS_WITH_SAVED_STATS and _differentiated_outside(cls, args):
-            out = _NORMS_WITH_SAVED_STATS[func](cls, *args, **kwargs)
+        recomputed = _DIFFERENTIABLE_FORWARD.get(func)
+        if recomputed is not None and _differentiated_outside(cls, args):
+            out = recomputed(cls, *args, **kwargs)
             if out is not NotImplemented:
                 return out
-        if func in _DIFFERENTIABLE_FORWARD and _differentiated_outside(cls, args):
-            return _DIFFERENTIABLE_FORWARD[func](*args, **kwargs)
         if _shapes_only(args):
             # PyTorch runs an op on meta copies to learn an output's shape (adding a
             # ZeroTensor tangent): the primal alone, with no derivative of any kind
@@ -696,25 +694,25 @@ _DECOMPOSED_WHEN_TRACKED = {
 }
 
 
-# Group norm's derivative, when it is itself differentiated (PyTorch's
-# infinitely_differentiable_native_group_norm_backward), adds the part through the mean and
-# rstd in place into the part through the output: a vmap inside the outer derivative that
-# batches only the former may not write it. triangular_solve's derivative, differentiated
-# by forward mode, reads the whole matrix where the op reads its triangle. Where a second
-# level (or autograd outside) differentiates them, they run as decompositions whose
-# derivatives are right (group norm's out of place; see linalg_recomputed.py).
+# Ops whose derivatives, differentiated again by enough levels, come out wrong or raise:
+# op -> (the levels that differentiate it, this grad level's included, from which it runs
+# as a decomposition whose derivatives are right; that decomposition).
+# - Group norm's derivative, differentiated (PyTorch's
+#   infinitely_differentiable_native_group_norm_backward), adds the part through the mean
+#   and rstd in place into the part through the output: a vmap inside the outer derivative
+#   that batches only the former may not write it. Its decomposition is out of place.
+# - triangular_solve's derivative, differentiated by forward mode, reads the whole matrix
+#   where the op reads its triangle (see linalg_recomputed.py).
+# - det's derivative, differentiated twice, is wrong (from PyTorch's formula for singular
+#   matrices, which it uses for every tensor subclass, and the LU factors it saved). Not
+#   from two levels: the LU factorization's second derivative at an exactly singular
+#   matrix is wrong, PyTorch's right.
 _DECOMPOSED_WHEN_DIFFERENTIATED = {
     torch.ops.aten.native_group_norm.default:
-        torch._decomp.decomposition_table[torch.ops.aten.native_group_norm.default],
-    torch.ops.aten.triangular_solve.default: linalg_recomputed.triangular_solve,
+        (2, torch._decomp.decomposition_table[torch.ops.aten.native_group_norm.default]),
+    torch.ops.aten.triangular_solve.default: (2, linalg_recomputed.triangular_solve),
+    torch.ops.aten._linalg_det.default: (3, linalg_recomputed.det),
 }
-
-# det's derivative, differentiated twice, comes out wrong (from PyTorch's formula for
-# singular matrices, which it uses for every tensor subclass, and the LU factors it saved).
-# Where three levels differentiate it (a third derivative), det runs as an LU factorization
-# whose derivatives are right. Not where two do: that factorization's second derivative at
-# an exactly singular matrix is wrong, PyTorch's right.
-_DECOMPOSED_WHEN_DIFFERENTIATED_TWICE = {torch.ops.aten._linalg_det.default: linalg_recomputed.det}
 
 
 def _differentiations(cls, args: tuple) -> int:
@@ -773,11 +771,21 @@ def _batch_norm_with_update_recomputed(cls, x, weight, bias, running_mean, runni
             reserve)
 
 
-# Norms whose forward-AD formulas read the saved mean and invstd, which carry no derivative
-# of their own: a derivative taken of the tangent (jacfwd(jacfwd), jacrev(jacfwd)) misses
-# how they depend on the input, in PyTorch too (pytorch/pytorch#196699, #196700). Where a
-# level or autograd outside differentiates an argument, they run as their decompositions.
-_NORMS_WITH_SAVED_STATS = {
+def _ignoring_level(decomposition):
+    """``decomposition`` called as :data:`_DIFFERENTIABLE_FORWARD`'s entries are, with the
+    level class first."""
+    return lambda cls, *args, **kwargs: decomposition(*args, **kwargs)
+
+
+# Ops whose forward-AD formulas give a tangent that cannot be differentiated right. Norms'
+# read the saved mean and invstd, which carry no derivative of their own: a derivative
+# taken of the tangent (jacfwd(jacfwd), jacrev(jacfwd)) misses how they depend on the
+# input, in PyTorch too (pytorch/pytorch#196699, #196700). Linalg ops' solve with LU
+# factors saved as constants and the like (linalg_recomputed.py); glu's runs glu_jvp, an
+# op with no derivative. Where a level or autograd outside differentiates an argument,
+# they run as decompositions whose tangents can be: op -> fn(level class, *args,
+# **kwargs), which gives NotImplemented where the op's own formula is right.
+_DIFFERENTIABLE_FORWARD = {
     torch.ops.aten.native_layer_norm.default: _layer_norm_recomputed,
     torch.ops.aten.native_batch_norm.default: _batch_norm_recomputed,
     torch.ops.aten._native_batch_norm_legit.default: _batch_norm_recomputed,
@@ -785,15 +793,10 @@ _NORMS_WITH_SAVED_STATS = {
         lambda cls, x, weight, bias, training, momentum, eps: _batch_norm_recomputed(
             cls, x, weight, bias, None, None, training, momentum, eps),
     torch.ops.aten._batch_norm_with_update.default: _batch_norm_with_update_recomputed,
-}
-
-# Ops whose forward-AD formulas give a tangent that cannot be differentiated right: linalg
-# ops' (linalg_recomputed.py: LU factors saved as constants and the like), glu's, which
-# runs glu_jvp, an op with no derivative. Where a level or autograd outside differentiates
-# an argument, they run as decompositions whose tangents can be.
-_DIFFERENTIABLE_FORWARD = {
-    **linalg_recomputed.RECOMPUTED,
-    torch.ops.aten.glu.default: torch._decomp.decomposition_table[torch.ops.aten.glu.default],
+    **{op: _ignoring_level(decomposition) for op, decomposition in (
+        *linalg_recomputed.RECOMPUTED.items(),
+        (torch.ops.aten.glu.default, torch._decomp.decomposition_table[torch.ops.aten.glu.default]),
+    )},
 }
 
 
