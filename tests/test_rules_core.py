@@ -12,6 +12,8 @@ from vmap_reference import check_vmap, loop_reference, vmap_without_slow_loop
 import torchlevels
 from torchlevels import vmap
 
+aten = torch.ops.aten
+
 
 def check(f, *shapes, in_dims=None):
     """f under vmap equals torch.func and the loop, for each in_dims pattern given.
@@ -58,6 +60,23 @@ VIEWS = {
 def test_views(name):
     f, shapes = VIEWS[name]
     check(f, *shapes)
+
+
+# The gradients of views, as autograd's backward of x[:, 2], x[-7::2], x.diagonal(1, 2, 0):
+# the op, an example's gradient shape.
+VIEW_BACKWARDS = {
+    "select_backward": (lambda g: aten.select_backward(g, [3, 6, 4], -2, 2), (3, 4)),
+    "slice_backward": (lambda g: aten.slice_backward(g, [9, 4], 0, -7, 100, 2), (4, 4)),
+    "diagonal_backward": (lambda g: aten.diagonal_backward(g, [4, 5, 3], 1, 2, 0), (5, 3)),
+}
+
+
+@pytest.mark.parametrize("in_dim", [0, 1, -1])
+@pytest.mark.parametrize("name", VIEW_BACKWARDS)
+def test_view_backwards(name, in_dim):
+    f, example = VIEW_BACKWARDS[name]
+    grads = torch.randn(7, *example).movedim(0, in_dim)
+    check_vmap(f, grads, in_dims=(in_dim,), warnings_are_errors=True)
 
 
 @pytest.mark.parametrize("in_dim", [0, 1, 2])

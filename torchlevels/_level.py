@@ -31,8 +31,11 @@ _AUTOGRAD = torch._C.DispatchKey.AutogradFunctionality
 _AUTOGRAD_KEYS = tuple(getattr(torch._C.DispatchKey, k) for k in (
     "AutogradFunctionality", "AutogradOther", "AutogradNestedTensor"))
 _AD_INPLACE_OR_VIEW = torch._C.DispatchKey.ADInplaceOrView
-_LAZY_BIT_KEYS = tuple(getattr(torch._C.DispatchKey, k) for k in (
-    "Conjugate", "Negative", "ZeroTensor"))
+_CONJUGATE = torch._C.DispatchKey.Conjugate
+_NEGATIVE = torch._C.DispatchKey.Negative
+_ZERO_TENSOR = torch._C.DispatchKey.ZeroTensor
+# saves every dispatch key's state, restores it on exit (cheaper than saving three here)
+preserved_dispatch_keys = torch._C._PreserveDispatchKeyGuard
 _autograd_excluded = torch._C._dispatch_tls_is_dispatch_key_excluded
 _set_excluded = torch._C._dispatch_tls_set_dispatch_key_excluded
 _restore_tls = torch._C._RestorePythonTLSSnapshot
@@ -194,22 +197,22 @@ class autograd_on:  # lower case: used like a function, `with autograd_on():`
         self._snapshot.__exit__(*exc)
 
 
-class lazy_bits_on:  # lower case: used like a function, `with lazy_bits_on():`
+def lazy_bits_on() -> None:
     """Inside ``__torch_dispatch__``: PyTorch's conjugate, negative and zero-tensor
-    fallbacks back on. PyTorch excludes every key above Python while a subclass handles
-    an op, these among them, so a kernel run there would read a conj or neg view that it
-    makes itself (``U.mH`` inside ``linalg.pinv``) as the plain tensor under it."""
+    fallbacks back on, until the enclosing :data:`preserved_dispatch_keys` block ends.
+    PyTorch excludes every key above Python while a subclass handles an op, these among
+    them, so a kernel run there would read a conj or neg view that it makes itself
+    (``U.mH`` inside ``linalg.pinv``) as the plain tensor under it.
 
-    __slots__ = ("_excluded",)
+    Example (how a vmap level runs a rule)::
 
-    def __enter__(self) -> None:
-        self._excluded = [_autograd_excluded(k) for k in _LAZY_BIT_KEYS]
-        for key in _LAZY_BIT_KEYS:
-            _set_excluded(key, False)
-
-    def __exit__(self, *exc: object) -> None:
-        for key, excluded in zip(_LAZY_BIT_KEYS, self._excluded):
-            _set_excluded(key, excluded)
+        with preserved_dispatch_keys():
+            lazy_bits_on()
+            out = rule(...)
+    """
+    _set_excluded(_CONJUGATE, False)
+    _set_excluded(_NEGATIVE, False)
+    _set_excluded(_ZERO_TENSOR, False)
 
 
 def autograd_records() -> bool:

@@ -27,6 +27,7 @@ from torchlevels._level import (
     entered,
     lazy_bits_on,
     new_level_class,
+    preserved_dispatch_keys,
     refuse_functional,
     requires_grad_flag,
     set_logical_meta,
@@ -144,7 +145,8 @@ class BatchLevel(Level):
             with autograd_on():
                 out, out_dims = self._apply(rule, func, phys, dims, kwargs)
         else:
-            with lazy_bits_on():
+            with preserved_dispatch_keys():
+                lazy_bits_on()
                 out, out_dims = self._apply(rule, func, phys, dims, kwargs)
         return wrap_outputs(cls, func, rule.inplace, args, out, out_dims)
 

@@ -7,39 +7,51 @@ shifts by one. For reductions an absent or empty dim list means "every logical d
 
 from __future__ import annotations
 
-import functools
+from typing import NamedTuple
 
 import torch
 
 from torchlevels.batching.dims import materialize, pad_to_rank, rows, to_front, wrap_dim
-from torchlevels.batching.registry import batch_size, register, register_family
+from torchlevels.batching.registry import batch_size, per_op, register, register_family
 
 aten = torch.ops.aten
 
 
-@functools.cache
-def _dim_arg(func) -> tuple[int, str, str, object] | None:
-    """(index, name, type, default) of the op's dim argument, or None."""
+class _DimArg(NamedTuple):
+    """An op's ``dim``/``dims`` argument, read from its schema once."""
+
+    index: int
+    name: str
+    default: object
+    is_list: bool  # an int list (``dim=[]`` or None means every dim for a reduction)
+    reduction: bool  # whether the op reduces (an absent dim means every dim)
+
+
+@per_op
+def _dim_arg(func) -> _DimArg | None:
+    """The op's dim argument, or None."""
     for i, arg in enumerate(func._schema.arguments):
         if arg.name in ("dim", "dims"):
-            return i, arg.name, str(arg.type), arg.default_value
+            reduction = torch.Tag.reduction in func.tags or func in _UNTAGGED_REDUCTIONS
+            return _DimArg(i, arg.name, arg.default_value, "List" in str(arg.type), reduction)
     return None
 
 
 def dim_rule(func, args, dims, kwargs):
     """Batch an op that works along ``dim``/``dims`` of broadcast tensor inputs."""
-    index, name, typ, default = _dim_arg(func)
-    reduction = torch.Tag.reduction in func.tags or func in _UNTAGGED_REDUCTIONS
+    index, name, default, is_list, reduction = _dim_arg(func)
     tensors = [(a, d) for a, d in zip(args, dims) if isinstance(a, torch.Tensor)]
-    rank = max(a.dim() - (d is not None) for a, d in tensors)
-    if len(tensors) > 1:  # e.g. softmax backward, cross: every tensor gets the batch dim
+    if len(tensors) == 1 and tensors[0][0] is args[0]:  # the usual case: sum, softmax
+        x, d = tensors[0]
+        rank = x.dim() - (d is not None)
+        phys = list(args)
+        phys[0] = pad_to_rank(to_front(x, d), rank) if d is not None else x
+    else:  # e.g. softmax backward, cross: every tensor gets the batch dim
+        rank = max(a.dim() - (d is not None) for a, d in tensors)
         size = batch_size(args, dims)
         phys = [pad_to_rank(materialize(a, d, size), rank) if isinstance(a, torch.Tensor) else a
                 for a, d in zip(args, dims)]
         dims = [0 if isinstance(a, torch.Tensor) else d for a, d in zip(args, dims)]
-    else:
-        phys = [pad_to_rank(to_front(a, d), rank) if d is not None else a
-                for a, d in zip(args, dims)]
     scalar = rank == 0
     if scalar:  # a dim of a 0-dim tensor means "the only element": give it a real dim
         phys = [p.unsqueeze(-1) if d is not None else p for p, d in zip(phys, dims)]
@@ -49,9 +61,9 @@ def dim_rule(func, args, dims, kwargs):
         dim = wrap_dim(dim, rank) + 1
     elif dim is None or (isinstance(dim, (list, tuple)) and not dim):
         if reduction:
-            dim = list(range(1, max(rank, 1) + 1)) if "List" in typ else None
-        if dim is None and reduction and "List" not in typ:
-            return _flat_reduction(func, phys, index, kwargs, positional, scalar)
+            if not is_list:
+                return _flat_reduction(func, phys, index, kwargs, positional, scalar)
+            dim = list(range(1, max(rank, 1) + 1))
     else:
         dim = [wrap_dim(d, rank) + 1 for d in dim]
     if positional:
@@ -70,7 +82,7 @@ def _flat_reduction(func, phys, index, kwargs, positional, scalar):
     if positional:
         args[index] = 1
     else:
-        kwargs = {**kwargs, _dim_arg(func)[1]: 1}
+        kwargs = {**kwargs, _dim_arg(func).name: 1}
     out = func(*args, **kwargs)
     keepdim = any(a is True for a in args[index + 1 :]) or kwargs.get("keepdim")
     if keepdim:

@@ -169,6 +169,23 @@ def scatter_view(func, args, dims, kwargs):
     return func(x, src, wrap_dim(d, rank) + 1, *more, **kwargs), 0
 
 
+@register(aten.select_backward.default, aten.slice_backward.default,
+          aten.diagonal_backward.default)
+def view_backward(func, args, dims, kwargs):
+    """The gradient of a view's input: the op itself on the gradient batched first, with
+    the batch prepended to ``input_sizes`` and the view's dims shifted by one (one kernel,
+    where the decomposition makes zeros and scatters into them op by op)."""
+    grad, sizes, *rest = args
+    grad = to_front(grad, dims[0])
+    rank = len(sizes)
+    if func is aten.diagonal_backward.default:
+        offset, d1, d2 = rest
+        rest = [offset, wrap_dim(d1, rank) + 1, wrap_dim(d2, rank) + 1]
+    else:
+        rest[0] = wrap_dim(rest[0], rank) + 1
+    return func(grad, [grad.shape[0], *sizes], *rest, **kwargs), 0
+
+
 @register(aten.repeat.default)
 def repeat(func, args, dims, kwargs):
     x, repeats = args
