@@ -49,6 +49,22 @@ def test_in_dims_none_and_negative():
     same(lambda a, b: a @ b, torch.randn(2, 3, 4), torch.randn(4, 2), in_dims=(0, 1))
 
 
+def test_unmapped_pytrees_beside_mapped_tensors():
+    # vmap(f, in_dims=(None, 0)) with a dict of parameters: the common per-sample case,
+    # which skips flattening; the same results, and the same errors, as the general path
+    def f(params, x, n):
+        return (params["w"] * x).sum() + params["b"][0] * n
+
+    params = {"w": torch.randn(3), "b": [torch.randn(2)]}
+    x = torch.randn(4, 3)
+    same(f, params, x, 2, in_dims=(None, 0, None))
+    same(f, params, x.T, 2, in_dims=(None, -1, None))
+    same_error(f, params, x, torch.randn(5), in_dims=(None, 0, 0), match=r"sizes \[4, 5\]")
+    same_error(f, params, x, 2, in_dims=(None, 2, None), match="in_dim=2")
+    same_error(f, params, x, 2, in_dims=(None, 0, 0), match="non-Tensor")
+    same_error(f, params, x, 2, in_dims=(0, 0, None), match=r"sizes \[3, 2, 4\]")
+
+
 def test_kwargs_are_not_batched():
     def f(x, *, scale):
         return x * scale

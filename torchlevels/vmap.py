@@ -387,19 +387,23 @@ def _name(func: Callable) -> str:
 
 
 def _flat_inputs(func, in_dims, args) -> tuple[list, list, Any, int]:
-    """The inputs as a flat list, their batch dims, the pytree spec (None when ``args``
-    are all tensors mapped over one dim: the common case, without pytree work) and the
-    batch size."""
-    if type(in_dims) is int and args and all(type(a) is torch.Tensor for a in args):
+    """The inputs as a flat list, their batch dims, the pytree spec (None when each of
+    ``args`` is a tensor mapped over a dim or an input not mapped at all: the common
+    cases, without pytree work) and the batch size."""
+    dims = (in_dims,) * len(args) if type(in_dims) is int else in_dims
+    if type(dims) is tuple and len(dims) == len(args):
         sizes = set()
-        for a in args:
+        for a, d in zip(args, dims):
+            if d is None:
+                continue  # passed as it is, a pytree or not
+            if type(d) is not int or type(a) is not torch.Tensor or not -a.dim() <= d < a.dim():
+                break  # the general path raises the error, or flattens
             refuse_functional("vmap", a)
-            if not -a.dim() <= in_dims < a.dim():
-                break  # the general path raises the error
-            sizes.add(a.shape[in_dims])
+            sizes.add(a.shape[d])
         else:
             if len(sizes) == 1:
-                return list(args), [in_dims % a.dim() for a in args], None, sizes.pop()
+                flat_dims = [None if d is None else d % a.dim() for a, d in zip(args, dims)]
+                return list(args), flat_dims, None, sizes.pop()
     name = _name(func)
     if not isinstance(in_dims, (int, tuple)) and in_dims is not None:
         raise ValueError(
