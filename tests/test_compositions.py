@@ -727,9 +727,9 @@ def test_first_derivatives_keep_group_norm_whole(monkeypatch):
 
     op = torch.ops.aten.native_group_norm.default
     decomposed = []
-    levels, decomposition = autodiff._DECOMPOSED_WHEN_DIFFERENTIATED[op]
-    monkeypatch.setitem(autodiff._DECOMPOSED_WHEN_DIFFERENTIATED, op, (
-        levels, lambda *a, **k: decomposed.append(op) or decomposition(*a, **k)))
+    when, decomposition = autodiff._DECOMPOSED[op]
+    monkeypatch.setitem(autodiff._DECOMPOSED, op, (
+        when, lambda *a, **k: decomposed.append(op) or decomposition(*a, **k)))
     gen = torch.Generator().manual_seed(11)
     xs = torch.randn(3, 2, 4, 5, dtype=DTYPE, generator=gen)
     w, b = torch.randn(4, dtype=DTYPE, generator=gen), torch.randn(4, dtype=DTYPE, generator=gen)

@@ -22,7 +22,7 @@ respected because grad mode is never switched on or off behind the user's back.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -174,10 +174,8 @@ class GradLevel(Level):
         if not self.captures_tracked:
             self.captures_tracked = _captures_tracked(cls, args) or (
                 bool(kwargs) and _captures_tracked(cls, kwargs.values()))
-        if func in _DECOMPOSED_WHEN_TRACKED and any(type(a) is cls for a in args):
-            return _DECOMPOSED_WHEN_TRACKED[func](*args, **kwargs)
-        decomposed = _DECOMPOSED_WHEN_DIFFERENTIATED.get(func)
-        if decomposed is not None and _differentiations(cls, args) >= decomposed[0]:
+        decomposed = _DECOMPOSED.get(func)
+        if decomposed is not None and decomposed[0](cls, args):
             return decomposed[1](*args, **kwargs)
         inner_args = [unwrap_own(a, cls) for a in args]
         inner_kwargs = {k: unwrap_own(v, cls) for k, v in kwargs.items()} if kwargs else {}
@@ -679,40 +677,16 @@ _DECOMPOSED_UNDER_AUTOGRAD = {
 }
 
 
-# Norms' backward ops, whose own derivatives (PyTorch's batchnorm_double_backward and the
-# like) write temporaries in place, which a vmap inside may not batch, and read the saved
-# mean and invstd, which carry no derivative: a third derivative comes out wrong, in
-# PyTorch too (pytorch/pytorch#175754, #186256). When a grad level tracks an argument,
-# they run as decompositions that are out of place and recompute the statistics from the
-# input.
-_DECOMPOSED_WHEN_TRACKED = {
-    torch.ops.aten.native_batch_norm_backward.default:
-        decompositions_for_jvp.native_batch_norm_backward,
-    torch.ops.aten.batch_norm_backward.default: decompositions_for_jvp.batch_norm_backward,
-    torch.ops.aten.native_layer_norm_backward.default:
-        decompositions_for_jvp.native_layer_norm_backward,
-}
+def _on_our_tensors(cls, args: tuple) -> bool:
+    """Whether an argument is a tensor of grad level ``cls``."""
+    return any(type(a) is cls for a in args)
 
 
-# Ops whose derivatives, differentiated again by enough levels, come out wrong or raise:
-# op -> (the levels that differentiate it, this grad level's included, from which it runs
-# as a decomposition whose derivatives are right; that decomposition).
-# - Group norm's derivative, differentiated (PyTorch's
-#   infinitely_differentiable_native_group_norm_backward), adds the part through the mean
-#   and rstd in place into the part through the output: a vmap inside the outer derivative
-#   that batches only the former may not write it. Its decomposition is out of place.
-# - triangular_solve's derivative, differentiated by forward mode, reads the whole matrix
-#   where the op reads its triangle (see linalg_recomputed.py).
-# - det's derivative, differentiated twice, is wrong (from PyTorch's formula for singular
-#   matrices, which it uses for every tensor subclass, and the LU factors it saved). Not
-#   from two levels: the LU factorization's second derivative at an exactly singular
-#   matrix is wrong, PyTorch's right.
-_DECOMPOSED_WHEN_DIFFERENTIATED = {
-    torch.ops.aten.native_group_norm.default:
-        (2, torch._decomp.decomposition_table[torch.ops.aten.native_group_norm.default]),
-    torch.ops.aten.triangular_solve.default: (2, linalg_recomputed.triangular_solve),
-    torch.ops.aten._linalg_det.default: (3, linalg_recomputed.det),
-}
+def _differentiated_by(levels: int) -> Callable[[type, tuple], bool]:
+    """The condition that at least ``levels`` levels may differentiate an op, as a
+    function of the grad level class and the op's arguments (see
+    :func:`_differentiations`)."""
+    return lambda cls, args: _differentiations(cls, args) >= levels
 
 
 def _differentiations(cls, args: tuple) -> int:
@@ -731,6 +705,41 @@ def _differentiations(cls, args: tuple) -> int:
             # not requires_grad: a level's own graph sets it on the tensors it tracks
             most = max(most, count + (isinstance(t, torch.Tensor) and tracked_outside(t)))
     return most
+
+
+# Ops a grad level runs as decompositions whose derivatives are right, where their own
+# derivatives, differentiated again, come out wrong or raise: op -> (when, on the level
+# class and the op's arguments; the decomposition).
+# - Norms' backward ops, on a tensor of the level: their own derivatives (PyTorch's
+#   batchnorm_double_backward and the like) write temporaries in place, which a vmap
+#   inside may not batch, and read the saved mean and invstd, which carry no derivative:
+#   a third derivative comes out wrong, in PyTorch too (pytorch/pytorch#175754, #186256).
+#   The decompositions are out of place and recompute the statistics from the input.
+# - Group norm, differentiated by two levels: its derivative, differentiated (PyTorch's
+#   infinitely_differentiable_native_group_norm_backward), adds the part through the mean
+#   and rstd in place into the part through the output: a vmap inside the outer derivative
+#   that batches only the former may not write it. Its decomposition is out of place.
+# - triangular_solve, differentiated by two levels: its derivative, differentiated by
+#   forward mode, reads the whole matrix where the op reads its triangle (see
+#   linalg_recomputed.py).
+# - det, differentiated by three levels: its derivative, differentiated twice, is wrong
+#   (from PyTorch's formula for singular matrices, which it uses for every tensor
+#   subclass, and the LU factors it saved). Not from two levels: the LU factorization's
+#   second derivative at an exactly singular matrix is wrong, PyTorch's right.
+_DECOMPOSED = {
+    torch.ops.aten.native_batch_norm_backward.default:
+        (_on_our_tensors, decompositions_for_jvp.native_batch_norm_backward),
+    torch.ops.aten.batch_norm_backward.default:
+        (_on_our_tensors, decompositions_for_jvp.batch_norm_backward),
+    torch.ops.aten.native_layer_norm_backward.default:
+        (_on_our_tensors, decompositions_for_jvp.native_layer_norm_backward),
+    torch.ops.aten.native_group_norm.default: (
+        _differentiated_by(2),
+        torch._decomp.decomposition_table[torch.ops.aten.native_group_norm.default]),
+    torch.ops.aten.triangular_solve.default:
+        (_differentiated_by(2), linalg_recomputed.triangular_solve),
+    torch.ops.aten._linalg_det.default: (_differentiated_by(3), linalg_recomputed.det),
+}
 
 
 def _layer_norm_recomputed(cls, *args, **kwargs):
