@@ -36,7 +36,8 @@ LOSSES = {  # losses of weights w (6, 5) and an example x (5,)
     "norms and reductions": lambda w, x: (
         F.normalize(w * x, dim=-1).sum() + F.rms_norm(w, (5,)).pow(3).sum()
         + torch.linalg.vector_norm(w - x) + w.std(0).sum() + w.var() + x.cumsum(0).sum()
-        + torch.where(w > 0, w, x).exp().sum() + w.amin(1).sum()),
+        + torch.where(w > 0, w, x).exp().sum() + w.amin(1).sum() + w.norm(dim=1).sum()
+        + torch.norm(w * x, 3, (0, 1)) + (w[:, None] * x).norm()),
 }
 
 

@@ -51,7 +51,7 @@ CALLS = ELEMENTWISE | frozenset((
     *torch_and_tensor("view", "reshape", "flatten", "unflatten", "unsqueeze", "squeeze",
                        "transpose", "t", "permute", "expand", "narrow", "select", "split",
                        "chunk", "unbind", "matmul", "mm", "bmm", "einsum", "sum", "mean",
-                       "amax", "amin", "logsumexp", "std", "var", "cumsum", "softmax",
+                       "amax", "amin", "logsumexp", "std", "var", "norm", "cumsum", "softmax",
                        "log_softmax", "where", "masked_fill", "cat", "concat", "stack"),
     torch.Tensor.__getitem__, torch.Tensor.__matmul__, torch.linalg.vector_norm, F.linear,
     F.softmax, F.log_softmax, F.cross_entropy, F.nll_loss, F.mse_loss, F.layer_norm,

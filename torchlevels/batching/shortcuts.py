@@ -5,7 +5,7 @@ through the Python key, and a round trip there costs several microseconds per op
 of the time of a chain of small ops. For the calls that dominate everyday code
 (pointwise math, ``F.linear``, convolution and pooling of one example or of a batch
 of them, ``flatten``, ``unsqueeze``, ``view``/``reshape``, ``transpose``, ``permute``;
-reductions, softmax, ``split`` and kin along given dims, layer norm, basic indexing,
+reductions, norms, softmax, ``split`` and kin along given dims, layer norm, basic indexing,
 ``expand``, ``where``, ``cat``/``stack``, ``matmul``, ``einsum``), the batched answer is
 the same call on the physical tensor with the batch dim first (and the example's dims
 one further in), so the level's ``__torch_function__`` makes that call directly. A
@@ -181,11 +181,12 @@ def _call(func, args, kwargs):
 
 
 def pointwise(cls, func, args, kwargs):
-    """Elementwise math: the physical tensors broadcast as the logical ones do."""
+    """Elementwise math: the physical tensors broadcast as the logical ones do. Batched
+    tensors of fewer dims than others get size-1 dims after the batch dim."""
     if kwargs and any(isinstance(v, torch.Tensor) for v in kwargs.values()):
         return None
     phys = []
-    rank = -1  # the logical rank of the batched tensors (all ours are batched first, no grad)
+    rank = low = -1  # the most and the fewest dims of our examples (batched first, no grad)
     plain_rank = -1  # the largest rank of an unbatched tensor
     nested = False  # whether a tensor of an enclosing level is handed on
     for a in args:  # the hot loop of a chain of small ops: _own and _unbatched, inlined
@@ -202,9 +203,10 @@ def pointwise(cls, func, args, kwargs):
             else:
                 return None
             if rank != inner.dim() - 1:
-                if rank != -1:
-                    return None
-                rank = inner.dim() - 1
+                if rank == -1:
+                    rank = low = inner.dim() - 1
+                else:
+                    rank, low = max(rank, inner.dim() - 1), min(low, inner.dim() - 1)
             phys.append(inner)
         elif t in _NUMBERS:
             phys.append(a)
@@ -217,8 +219,10 @@ def pointwise(cls, func, args, kwargs):
         else:
             return None
     # a batched 0-dim tensor is physically 1-dim and would promote types as one
-    if rank == -1 or plain_rank > rank or (plain_rank != -1 and rank == 0):
+    if rank == -1 or plain_rank > rank or (low == 0 and (rank or plain_rank != -1)):
         return None
+    if rank != low:
+        phys = [pad_to_rank(p, rank) if type(a) is cls else p for a, p in zip(args, phys)]
     if nested:
         return wrap_front(cls, _call(func, phys, kwargs))
     return wrap_front(cls, func(*phys, **kwargs))  # plain tensors: the hot path, no guard
@@ -615,6 +619,7 @@ _declare(along_dim(2, 0), torch.split, torch.Tensor.split, torch.chunk, torch.Te
 _declare(along_dim(1, 0), torch.unbind, torch.Tensor.unbind)
 _declare(along_dim(2, 1), F.normalize)
 _declare(along_dim(2, _ALL), torch.linalg.vector_norm)
+_declare(along_dim(2), torch.norm, torch.Tensor.norm)  # no dim: "fro" may mean matrix_norm
 _declare(squeeze, torch.squeeze, torch.Tensor.squeeze)
 _declare(normalized_trailing, F.layer_norm, F.rms_norm)
 _declare(getitem, torch.Tensor.__getitem__)
