@@ -1603,3 +1603,50 @@ def test_transforms_differentiate_inside_inference_mode(api, made_in_inference):
             "hessian": lambda lib: lib.hessian(lambda a: (f(a) ** 2).sum())(x),
         }[api]
         assert_tree_close(run(tl), run(tf))
+
+
+# -- Python values read inside a transform --------------------------------------------
+
+PYTHON_VALUES = {  # what f reads out of its input x (of shape (2,))
+    "tolist": lambda x: x.tolist(),
+    "tolist of a 0-dim tensor": lambda x: x.sum().tolist(),
+    "format spec": lambda x: f"{x.sum():.3f}",
+    "format, no spec": lambda x: format(x.sum()),
+}
+AUTODIFF_CALLS = {
+    "grad": lambda lib, g, x: lib.grad(g)(x),
+    "jvp": lambda lib, g, x: lib.jvp(g, (x,), (x.cos(),)),
+    "grad(grad)": lambda lib, g, x: lib.grad(lambda y: lib.grad(g)(y).sum())(x),
+    "jacfwd(grad)": lambda lib, g, x: lib.jacfwd(lib.grad(g))(x),
+}
+
+
+@pytest.mark.parametrize("call", AUTODIFF_CALLS)
+@pytest.mark.parametrize("read", PYTHON_VALUES)
+def test_python_values_read_under_autodiff_are_torch_funcs(read, call):
+    """PyTorch refuses ``.tolist()`` on tensor subclasses, and formats a subclass's 0-dim
+    tensor as an object: the levels read each value as ``.item()`` does, as torch.func."""
+    x = torch.tensor([1.25, -2.5], dtype=torch.float64)
+    got = {}
+
+    def g(lib):
+        def f(x):
+            got[lib] = PYTHON_VALUES[read](x)
+            return (x ** 3).sum()
+        return f
+
+    AUTODIFF_CALLS[call](tl, g(tl), x)
+    AUTODIFF_CALLS[call](tf, g(tf), x)
+    assert got[tl] == got[tf] == PYTHON_VALUES[read](x)
+
+
+@pytest.mark.parametrize("read", PYTHON_VALUES)
+@pytest.mark.parametrize("transform", ["vmap", "vmap(grad)"])
+def test_python_values_read_under_vmap_raise(read, transform):
+    def f(x):
+        PYTHON_VALUES[read](x)
+        return x.sum()
+
+    f = tl.vmap(f) if transform == "vmap" else tl.vmap(tl.grad(f))
+    with pytest.raises(RuntimeError, match="reads a Python value out of a batched tensor"):
+        f(torch.randn(3, 2))

@@ -164,6 +164,21 @@ class LevelTensor(torch.Tensor):
         with _no_subclass_torch_function():  # ops inside a level skip vmap's shortcuts
             return level.dispatch(cls, func, args, kwargs or {})
 
+    # -- Python values: PyTorch reads them so only for plain tensors ----------------------
+    def tolist(self) -> Any:
+        """``t.tolist()``, which PyTorch refuses for tensor subclasses: each element read
+        as ``t.item()`` reads it. A grad or jvp level gives the values, as torch.func does;
+        vmap raises its error for a value that differs from example to example."""
+        if self.dim() == 0:
+            return self.item()
+        return [row.tolist() for row in self.unbind()]
+
+    def __format__(self, format_spec: str) -> str:
+        """``f"{loss:.3f}"``: a 0-dim tensor formats its value, as a plain tensor does."""
+        if self.dim() == 0 and not self.is_meta:
+            return self.detach().item().__format__(format_spec)
+        return object.__format__(self, format_spec)
+
     def __repr__(self) -> str:
         level = type(self)._level
         if not level.alive:
