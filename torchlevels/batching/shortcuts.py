@@ -168,13 +168,17 @@ def _unbatched(cls, a: Any) -> bool:
 
 def _call(func, args, kwargs):
     """``func`` on physical tensors. Tensors of an enclosing vmap level among them may take
-    that level's own shortcuts; with none, no level's tensor is left and vmap's
-    composite-op hook (predispatch.py) is skipped."""
-    if any(isinstance(a, LevelTensor) for a in args):
-        with _enable_torch_function():
+    that level's own shortcuts. With none, no level's tensor is left: the call goes
+    straight to the kernels, past vmap's composite-op hook (predispatch.py) where it would
+    reach it."""
+    for a in args:
+        if isinstance(a, LevelTensor):
+            with _enable_torch_function():
+                return func(*args, **kwargs)
+    if func in _REACHES_HOOK:
+        with unintercepted():
             return func(*args, **kwargs)
-    with unintercepted():
-        return func(*args, **kwargs)
+    return func(*args, **kwargs)
 
 
 # -- pointwise: batched tensors of one logical rank, unbatched ones no higher ----------------
@@ -646,3 +650,7 @@ for _n in (2, 3):
     _declare(example_rank(_n + 1, _max_pool),
              getattr(F, f"max_pool{_n}d"), getattr(F, f"max_pool{_n}d_with_indices"))
 _BUILTIN.update(SHORTCUTS)
+# the shortcut calls that run ops vmap's composite-op hook intercepts (linear, matmul);
+# another call passes the hook by all the same, at the cost of a Python call
+_REACHES_HOOK = frozenset((F.linear, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__,
+                           torch.einsum, F.scaled_dot_product_attention))
