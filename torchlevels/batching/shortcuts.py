@@ -181,7 +181,7 @@ def _call(func, args, kwargs):
     return func(*args, **kwargs)
 
 
-# -- pointwise: batched tensors of one logical rank, unbatched ones no higher ----------------
+# -- pointwise: batched tensors of any ranks, unbatched ones of no more dims than they -------
 
 
 def pointwise(cls, func, args, kwargs):
@@ -650,7 +650,8 @@ for _n in (2, 3):
     _declare(example_rank(_n + 1, _max_pool),
              getattr(F, f"max_pool{_n}d"), getattr(F, f"max_pool{_n}d_with_indices"))
 _BUILTIN.update(SHORTCUTS)
-# the shortcut calls that run ops vmap's composite-op hook intercepts (linear, matmul);
-# another call passes the hook by all the same, at the cost of a Python call
+# the shortcut calls that run ops vmap's composite-op hook intercepts (linear, matmul):
+# _call skips the hook around them. (A call missing here would reach the hook, which
+# passes plain tensors by: the same result, one Python call slower.)
 _REACHES_HOOK = frozenset((F.linear, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__,
                            torch.einsum, F.scaled_dot_product_attention))
