@@ -206,11 +206,12 @@ def pointwise(cls, func, args, kwargs):
                 nested = True
             else:
                 return None
-            if rank != inner.dim() - 1:
+            r = inner.dim() - 1
+            if r != rank:
                 if rank == -1:
-                    rank = low = inner.dim() - 1
+                    rank = low = r
                 else:
-                    rank, low = max(rank, inner.dim() - 1), min(low, inner.dim() - 1)
+                    rank, low = max(rank, r), min(low, r)
             phys.append(inner)
         elif t in _NUMBERS:
             phys.append(a)
