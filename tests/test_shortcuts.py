@@ -249,6 +249,100 @@ CASES.update({
     "sdpa, unbatched key": (sdpa, (q4, k4[0], k4), (0, None, 0), False),
 })
 
+y3, v4, u4 = torch.randn(4, 2, 1, 3), torch.randn(4, 3), torch.randn(4, 5)
+# losses, factories, the outer product
+CASES.update({
+    "mse_loss": (F.mse_loss, (x3, y3), 0, True),
+    "l1_loss, reduction sum": (lambda x, y: F.l1_loss(x, y, reduction="sum"), (x3, y3), 0,
+                               True),
+    "smooth_l1_loss, beta": (lambda x, y: F.smooth_l1_loss(x, y, beta=0.5), (x3, y3), 0, True),
+    "huber_loss, no reduction": (lambda x, y: F.huber_loss(x, y, "none", 0.3), (x3, y3), 0,
+                                 True),
+    "mse_loss of 0-dim examples": (F.mse_loss, (v4[:, 0], u4[:, 0]), 0, True),
+    "mse_loss, unbatched target": (F.mse_loss, (x3, y3[0]), (0, None), True),
+    "mse_loss, unbatched input, sum": (lambda x, y: F.mse_loss(x, y, reduction="sum"), (
+        x3[0], y3), (None, 0), True),
+    "mse_loss with a weight": (lambda x, y: F.mse_loss(x, y, weight=y.abs()), (x3, y3), 0,
+                               False),
+    "zeros_like": (torch.zeros_like, (x3,), 0, True),
+    "full_like, dtype": (lambda x: torch.full_like(x, 2.0, dtype=torch.float64), (x3,), 0,
+                         True),
+    "ones_like of a transposed example": (lambda x: torch.ones_like(x.transpose(0, 2)), (
+        x3,), 0, True),
+    "new_zeros(2, 3)": (lambda x: x.new_zeros(2, 3), (x3,), 0, True),
+    "new_ones((2,), dtype)": (lambda x: x.new_ones((2,), dtype=torch.int64), (x3,), 0, True),
+    "new_zeros(torch.Size)": (lambda x: x.new_zeros(x.shape), (x3,), 0, True),
+    "outer": (torch.outer, (v4, u4), 0, True),
+    "outer, unbatched second vector": (torch.outer, (v4, u4[0]), (0, None), True),
+    "Tensor.ger, unbatched first vector": (torch.Tensor.ger, (v4[0], u4), (None, 0), True),
+    "cosine_similarity": (F.cosine_similarity, (x3, y3), 0, True),
+    "cosine_similarity(dim=-1, eps)": (lambda x, y: F.cosine_similarity(x, y, -1, 0.5), (
+        x3, y3), 0, True),
+    "cosine_similarity, unbatched x2 of lower rank": (
+        lambda x, y: F.cosine_similarity(x, y, dim=0), (x3, w3), (0, None), True),
+    "cosine_similarity of different ranks": (F.cosine_similarity, (x3, y3[:, 0]), 0, False),
+    "F.pad": (lambda x: F.pad(x, (1, 2)), (x3,), 0, True),
+    "F.pad of two dims, a value": (lambda x: F.pad(x, [1, 0, 0, 2], value=3.0), (x3,), 0,
+                                   True),
+    "F.pad, reflect": (lambda x: F.pad(x, (1, 1), mode="reflect"), (torch.randn(4, 2, 5),), 0,
+                       False),
+    "contiguous of a transposed example": (lambda x: x.transpose(0, 2).contiguous(), (x3,), 0,
+                                           True),
+    "contiguous(memory_format)": (lambda x: x.transpose(1, 2).contiguous(
+        memory_format=torch.contiguous_format), (x3,), 0, True),
+    "flip(-1)": (lambda x: x.flip(-1), (x3,), 0, True),
+    "flip(0, 2)": (lambda x: x.flip(0, 2), (x3,), 0, True),
+    "torch.flip(x, dims=[1, 0])": (lambda x: torch.flip(x, dims=[1, 0]), (x3,), 0, True),
+    "triu(1)": (lambda x: x.triu(1), (x3,), 0, True),
+    "torch.tril(x, -1)": (lambda x: torch.tril(x, -1), (x3,), 0, True),
+})
+
+
+def test_contiguous_of_a_contiguous_tensor_is_the_tensor():
+    five_dims = torch.randn(4, 2, 3, 5, 1)
+    with vmap() as B:
+        x = B(x3)
+        assert x.contiguous() is x
+        assert x.mT.contiguous().is_contiguous()
+        last = B(five_dims)  # channels_last: vmap's rule, the usual way
+        assert shortcuts.contiguous(B, torch.Tensor.contiguous, (last,), {
+            "memory_format": torch.channels_last}) is None
+
+
+def test_factories_like_a_batched_tensor():
+    """empty_like's values are unset: its shape, dtype and layout are what counts. A
+    channels-last layout is the rule's (torch.func raises for 4-d examples there)."""
+    x = torch.randn(4, 2, 3, 1, 5)
+    with counting_dispatches(BatchLevel) as calls:
+        empty = vmap(lambda x: torch.empty_like(x.transpose(0, 3), dtype=torch.float64))(x)
+    assert not calls
+    assert empty.shape == (4, 5, 3, 1, 2) and empty.dtype == torch.float64
+    assert empty.stride()[1:] == torch.empty_like(x[0].transpose(0, 3)).stride()
+    with vmap() as B:
+        b = B(x)
+        assert shortcuts.like(B, torch.zeros_like, (b,), {
+            "memory_format": torch.channels_last}) is None
+        last = torch.zeros_like(b, memory_format=torch.channels_last)
+        assert last.stride() == torch.zeros_like(x[0], memory_format=torch.channels_last).stride()
+
+
+def test_factories_like_a_tensor_that_requires_grad():
+    """The values do not depend on the tensor's: the shortcut takes an input that requires
+    grad outside vmap, and the result needs no grad, as under torch.func (also inside
+    vmap(grad))."""
+    x = torch.randn(4, 3, requires_grad=True)
+    with counting_dispatches(BatchLevel) as calls:
+        ones = vmap(lambda x: torch.full_like(x, 2.0))(x)
+    assert not calls and not ones.requires_grad
+    assert_close(ones, func_vmap(lambda x: torch.full_like(x, 2.0))(x))
+
+    def f(x):
+        ones = torch.ones_like(x)
+        assert not ones.requires_grad
+        return (x * ones + x.new_ones(3) * x).sin().sum()
+
+    assert_close(vmap(torchlevels.grad(f))(x), func_vmap(torch.func.grad(f))(x))
+
 
 def test_attention_with_dropout_is_left_to_the_randomness_rules():
     with vmap() as B:
@@ -317,6 +411,20 @@ def test_nested_vmap_takes_shortcuts_at_every_level():
     assert_close(mixed, func_vmap(func_vmap(f, in_dims=(0, None)))(x, y[:, 0]))
     assert not calls
 
+
+
+def test_losses_and_products_in_nested_vmap():
+    """Operands batched at the outer level only, which the inner level's shortcuts hand
+    on. torch.func raises for the loss of such operands, so the reference is a loop."""
+    def f(x, y):
+        return (F.mse_loss(x, y) + F.l1_loss(y, x, reduction="sum")
+                + torch.outer(x, y).sum(-1) + F.cosine_similarity(x, y, 0)
+                + torch.zeros_like(y).sum() + x.new_ones(2).sum())
+
+    x, y = torch.randn(2, 4, 5), torch.randn(2, 5)
+    ours = vmap(vmap(f, in_dims=(0, None)))(x, y)
+    assert_close(ours, torch.stack([torch.stack([f(xi, yo) for xi in xo])
+                                    for xo, yo in zip(x, y)]))
 
 def test_outer_autograd_sees_the_ops_of_inputs_that_require_grad():
     w = torch.randn(3, 5, requires_grad=True)

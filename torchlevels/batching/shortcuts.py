@@ -6,7 +6,8 @@ of the time of a chain of small ops. For the calls that dominate everyday code
 (pointwise math, ``F.linear``, convolution and pooling of one example or of a batch
 of them, ``flatten``, ``unsqueeze``, ``view``/``reshape``, ``transpose``, ``permute``;
 reductions, norms, softmax, ``split`` and kin along given dims, layer norm, basic indexing,
-``expand``, ``where``, ``cat``/``stack``, ``matmul``, ``einsum``), the batched answer is
+``expand``, ``where``, ``cat``/``stack``, ``matmul``, ``einsum``, elementwise losses,
+``zeros_like`` and kin, ``outer``, ``cosine_similarity``), the batched answer is
 the same call on the physical tensor with the batch dim first (and the example's dims
 one further in), so the level's ``__torch_function__`` makes that call directly. A
 composite call answered whole (``F.normalize``, ``einsum``) skips the dispatcher for
@@ -574,6 +575,140 @@ def attention(cls, func, args, kwargs):
     return wrap_front(cls, out.unflatten(0, (batch, -1)) if rank >= 4 else out)
 
 
+# -- losses, factories, the outer product ------------------------------------------------
+
+
+def _operands(cls, args) -> tuple[list, list[int]] | None:
+    """The physical tensors of ``args`` (see :func:`_operand`) and their example ranks;
+    None unless each is an operand and at least one is ours."""
+    phys = [_operand(cls, a) for a in args]
+    if any(p is None for p in phys) or not any(type(a) is cls for a in args):
+        return None
+    return phys, [p.dim() - (type(a) is cls) for a, p in zip(args, phys)]
+
+
+_LOSS_KEYWORDS = frozenset(("size_average", "reduce", "reduction", "beta", "delta", "weight"))
+_REDUCED = {"mean": torch.Tensor.mean, "sum": torch.Tensor.sum}
+
+
+def elementwise_loss(cls, func, args, kwargs):
+    """``F.mse_loss`` and kin of an input and a target of one example shape: the terms on
+    the batch (reduction "none"), then each example's mean or sum, as vmap's rule for the
+    aten op computes them. Legacy ``size_average``/``reduce`` and ``weight`` go the usual
+    way."""
+    operands = _operands(cls, args) if len(args) == 2 else None
+    reduction = kwargs.get("reduction", "mean")
+    if operands is None or not kwargs.keys() <= _LOSS_KEYWORDS or (
+            reduction != "none" and reduction not in _REDUCED) or any(
+            kwargs.get(k) is not None for k in ("size_average", "reduce", "weight")):
+        return None
+    phys, _ = operands
+    shapes = {p.shape[1:] if type(a) is cls else p.shape for a, p in zip(args, phys)}
+    if len(shapes) != 1:
+        return None
+    batch = next(p.shape[0] for a, p in zip(args, phys) if type(a) is cls)
+    phys = [p if type(a) is cls else p.expand(batch, *p.shape) for a, p in zip(args, phys)]
+    terms = _call(func, phys, {**kwargs, "reduction": "none"})
+    if reduction == "none":
+        return wrap_front(cls, terms)
+    rows = terms.flatten(1) if terms.dim() > 1 else terms.unsqueeze(1)
+    return wrap_front(cls, _REDUCED[reduction](rows, 1))
+
+
+def like(cls, func, args, kwargs):
+    """``torch.zeros_like(x)`` and kin: the same call on the batch. Its values do not
+    depend on ``x``'s, so ``x`` may require grad."""
+    a = args[0]
+    if type(a) is not cls or a._bdim or a.is_conj() or a.is_neg() or kwargs.get(
+            "requires_grad") or kwargs.get("memory_format", torch.preserve_format) is not (
+            torch.preserve_format) or not _unbatched_rest(cls, args, kwargs):
+        return None
+    inner = a._inner
+    t = type(inner)
+    if not (t in _PLAIN or (issubclass(t, LevelTensor) and t._has_torch_function)):
+        return None
+    return wrap_front(cls, _call(func, (inner, *args[1:]), kwargs))
+
+
+def new_factory(cls, func, args, kwargs):
+    """``x.new_zeros(size)`` and kin: batched, as vmap's rule makes them (values written
+    into the new tensor later may be batched)."""
+    inner = _own(cls, args[0])
+    size = _int_args(args, {})
+    if inner is None or size is None or kwargs.get("requires_grad"):
+        return None
+    return wrap_front(cls, _call(func, (inner, (inner.shape[0], *size)), kwargs))
+
+
+def outer(cls, func, args, kwargs):
+    """``torch.outer(u, v)`` of vectors: ``u`` as a column times ``v``, as torch computes
+    it, on the batch."""
+    operands = None if kwargs or len(args) != 2 else _operands(cls, args)
+    if operands is None or operands[1] != [1, 1]:
+        return None
+    (u, v), _ = operands
+    return wrap_front(cls, _call(torch.mul, (u.unsqueeze(-1), v.unsqueeze(-2)), {}))
+
+
+def cosine_similarity(cls, func, args, kwargs):
+    """``F.cosine_similarity(x1, x2, dim)`` of examples of one rank (an unbatched tensor
+    of no more dims): along the same dim of each example, one further in."""
+    operands = _operands(cls, args[:2]) if len(args) >= 2 else None
+    if operands is None or len(args) > 4 or kwargs.keys() - {"dim", "eps"}:
+        return None
+    phys, ranks = operands
+    rank = max(r for a, r in zip(args, ranks) if type(a) is cls)
+    if any(r != rank if type(a) is cls else r > rank for a, r in zip(args, ranks)):
+        return None
+    dim = _shift(args[2] if len(args) > 2 else kwargs.get("dim", 1), rank)
+    if dim is None:
+        return None
+    rest = {k: v for k, v in kwargs.items() if k != "dim"}
+    return _taken(cls, func, (*phys, dim, *args[3:]), rest)
+
+
+def pad(cls, func, args, kwargs):
+    """``F.pad(x, pad, "constant", value)``: it pads trailing dims, so the batch in front
+    is one more leading dim (the other modes take inputs of set ranks: the usual way)."""
+    given = dict(zip(("input", "pad", "mode", "value"), args), **kwargs)
+    inner = _own(cls, given.get("input"))
+    widths = given.get("pad")
+    if inner is None or len(given) > 4 or given.get("mode", "constant") != "constant" or not (
+            isinstance(widths, (tuple, list)) and len(widths) // 2 <= inner.dim() - 1):
+        return None
+    return _taken(cls, func, (inner, widths, "constant", given.get("value")), {})
+
+
+def contiguous(cls, func, args, kwargs):
+    """``x.contiguous()``: ``x`` itself when it is, else contiguous examples (a contiguous
+    batch); other memory formats go the usual way."""
+    given = dict(zip(("self", "memory_format"), args), **kwargs)
+    inner = _own(cls, args[0])
+    if inner is None or len(given) > 2 or given.get(
+            "memory_format", torch.contiguous_format) is not torch.contiguous_format:
+        return None
+    return args[0] if args[0].is_contiguous() else wrap_front(cls, _call(func, (inner,), {}))
+
+
+def flip(cls, func, args, kwargs):
+    """``x.flip(dims)``: the same dims of each example, one further in."""
+    inner = _own(cls, args[0])
+    if inner is None or kwargs.keys() - {"dims"} or len(args) + len(kwargs) < 2 or (
+            kwargs and len(args) > 1) or inner.dim() == 1:
+        return None
+    dims = kwargs["dims"] if kwargs else args[1] if len(args) == 2 else args[1:]
+    shifted = _shift(dims, inner.dim() - 1)
+    if shifted is None:
+        return None
+    return _taken(cls, torch.flip, (inner, (shifted,) if type(shifted) is int else shifted), {})
+
+
+def trailing_matrix(cls, func, args, kwargs):
+    """``x.triu()``, ``x.tril()``: they work on the last two dims, so the batch in front
+    is one more leading dim."""
+    return _first_batched(cls, func, args, kwargs, lambda rank: rank >= 2)
+
+
 def _declare(shortcut: Shortcut, *funcs: Callable) -> None:
     for func in funcs:
         SHORTCUTS[func] = shortcut
@@ -635,6 +770,15 @@ _declare(cat, torch.cat, torch.concat, torch.stack)
 _declare(matmul, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__)
 _declare(einsum, torch.einsum)
 _declare(attention, F.scaled_dot_product_attention)
+_declare(elementwise_loss, F.mse_loss, F.l1_loss, F.smooth_l1_loss, F.huber_loss)
+_declare(like, torch.zeros_like, torch.ones_like, torch.empty_like, torch.full_like)
+_declare(new_factory, torch.Tensor.new_zeros, torch.Tensor.new_ones, torch.Tensor.new_empty)
+_declare(outer, torch.outer, torch.Tensor.outer, torch.ger, torch.Tensor.ger)
+_declare(cosine_similarity, torch.cosine_similarity)
+_declare(pad, F.pad)
+_declare(contiguous, torch.Tensor.contiguous)
+_declare(flip, torch.flip, torch.Tensor.flip)
+_declare(trailing_matrix, *torch_and_tensor("triu", "tril"))
 
 
 def _max_pool(func, args, kwargs):
