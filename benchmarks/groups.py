@@ -264,6 +264,35 @@ def attention_group() -> list[Benchmark]:
     ]
 
 
+# -- (b'') everyday calls, one per vmap call -----------------------------------------------
+
+
+def calls_group() -> list[Benchmark]:
+    """(b'') One everyday call per vmap call, on 16 examples of shape (8, 32)."""
+    torch.manual_seed(0)
+    x, y = torch.randn(16, 8, 32), torch.randn(16, 8, 32)
+    calls = {
+        "F.mse_loss(x, y)": F.mse_loss,
+        "F.smooth_l1_loss(x, y)": F.smooth_l1_loss,
+        "F.cosine_similarity(x, y, dim=-1)": lambda x, y: F.cosine_similarity(x, y, dim=-1),
+        "torch.outer(x[0], y[0])": lambda x, y: torch.outer(x[0], y[0]),
+        "torch.zeros_like(x)": lambda x, y: torch.zeros_like(x),
+        "x.new_zeros(4, 32)": lambda x, y: x.new_zeros(4, 32),
+        "F.pad(x, (1, 1))": lambda x, y: F.pad(x, (1, 1)),
+        "x.transpose(0, 1).contiguous()": lambda x, y: x.transpose(0, 1).contiguous(),
+        "x.flip(-1)": lambda x, y: x.flip(-1),
+        "x.triu()": lambda x, y: x.triu(),
+    }
+    return [_one_call(name, f, x, y) for name, f in calls.items()]
+
+
+def _one_call(name: str, f: Callable, x: torch.Tensor, y: torch.Tensor) -> Benchmark:
+    """``f`` vmapped over ``x`` and ``y`` by torch.func and by torchlevels."""
+    theirs, ours = torch.func.vmap(f), torchlevels.vmap(f)
+    return Benchmark(name, {TORCH_FUNC: lambda: theirs(x, y), TORCHLEVELS: lambda: ours(x, y)},
+                     None)
+
+
 # -- (c) a small CNN forward ------------------------------------------------------------------
 
 
@@ -813,6 +842,15 @@ GROUPS: dict[str, Group] = {
         "'torchlevels, contiguous max pool' show them without it. No target.",
         max_pool_group,
         ("PyTorch (contiguous)", "torchlevels (channels-last)"),
+    ),
+    "calls": Group(
+        "Everyday calls",
+        "One call per `vmap` call, on 16 examples of shape (8, 32) (and on (32,) rows for "
+        "`outer`): each time includes the vmap call itself (about 30 us either way). These "
+        "calls are answered in vmap's `__torch_function__` (torchlevels/batching/"
+        "shortcuts.py); through the dispatcher, `cosine_similarity` is ten ops and `outer` "
+        "two. No target.",
+        calls_group,
     ),
     "grad_overhead": Group(
         "Grad overhead",
