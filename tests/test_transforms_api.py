@@ -1363,7 +1363,7 @@ def test_autodiff_and_transforms_docstrings_run():
              for name in ("flops", "forwarding", "oplog", "trace")]
     for module in (torchlevels.autodiff, torchlevels.transforms, vmap_module,
                    sys.modules["torchlevels._level"], sys.modules["torchlevels._torch_compile"],
-                   torchlevels.autograd_grad, *tools):
+                   torchlevels.autograd_grad, sys.modules["torchlevels.l1_loss_weight"], *tools):
         result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
         assert result.failed == 0, module.__name__
         assert result.attempted > 0
@@ -1650,3 +1650,34 @@ def test_python_values_read_under_vmap_raise(read, transform):
     f = tl.vmap(f) if transform == "vmap" else tl.vmap(tl.grad(f))
     with pytest.raises(RuntimeError, match="reads a Python value out of a batched tensor"):
         f(torch.randn(3, 2))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_weighted_l1_loss_keeps_its_weight(reduction):
+    """PyTorch's F.l1_loss drops ``weight`` on its way to ``__torch_function__``; the
+    levels' tensors get it, as torch.func's do."""
+    x, y, w = torch.randn(4, 3), torch.randn(4, 3), torch.rand(3)
+
+    def loss(a, b):
+        return F.l1_loss(a, b, weight=w, reduction=reduction).sum()
+
+    for make in (lambda lib: lib.vmap(loss), lambda lib: lib.vmap(lib.grad(loss)),
+                 lambda lib: lib.jacrev(lib.vmap(loss)),
+                 lambda lib: lib.vmap(lambda a, b: lib.jvp(loss, (a, b), (b, a))[1])):
+        assert_tree_close(make(torchlevels)(x, y), make(tf)(x, y))
+
+
+def test_weighted_l1_loss_reaches_a_subclass_with_its_weight():
+    seen = []
+
+    class Logged(torch.Tensor):
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            seen.append((kwargs or {}).get("weight"))
+            return super().__torch_function__(func, types, args, kwargs)
+
+    x, w = torch.randn(3), torch.rand(3)
+    out = F.l1_loss(x.as_subclass(Logged), torch.zeros(3), weight=w)
+    assert seen[0] is w
+    torch.testing.assert_close(out.as_subclass(torch.Tensor), F.l1_loss(x, torch.zeros(3),
+                                                                         weight=w))

@@ -7,7 +7,8 @@ of the time of a chain of small ops. For the calls that dominate everyday code
 of them, ``flatten``, ``unsqueeze``, ``view``/``reshape``, ``transpose``, ``permute``;
 reductions, norms, softmax, ``split`` and kin along given dims, layer norm, basic indexing,
 ``expand``, ``where``, ``cat``/``stack``, ``matmul``, ``einsum``, elementwise losses,
-``zeros_like`` and kin, ``outer``, ``cosine_similarity``), the batched answer is
+``zeros_like`` and kin, ``outer``, ``cosine_similarity``, ``F.pad``, ``contiguous``,
+``flip``, ``triu``/``tril``), the batched answer is
 the same call on the physical tensor with the batch dim first (and the example's dims
 one further in), so the level's ``__torch_function__`` makes that call directly. A
 composite call answered whole (``F.normalize``, ``einsum``) skips the dispatcher for
@@ -34,6 +35,7 @@ from torchlevels._level import LevelTensor
 from torchlevels.batching.dims import pad_to_rank
 from torchlevels.batching.max_pool import max_pool
 from torchlevels.batching.predispatch import unintercepted
+from torchlevels.l1_loss_weight import l1_loss
 
 _make_wrapper_subclass = torch.Tensor._make_wrapper_subclass
 _disabled = torch._C._disabled_torch_function_impl
@@ -575,7 +577,7 @@ def attention(cls, func, args, kwargs):
     return wrap_front(cls, out.unflatten(0, (batch, -1)) if rank >= 4 else out)
 
 
-# -- losses, factories, the outer product ------------------------------------------------
+# -- losses, factories, outer, cosine_similarity, padding and layout ----------------------
 
 
 def _operands(cls, args) -> tuple[list, list[int]] | None:
@@ -770,7 +772,8 @@ _declare(cat, torch.cat, torch.concat, torch.stack)
 _declare(matmul, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__)
 _declare(einsum, torch.einsum)
 _declare(attention, F.scaled_dot_product_attention)
-_declare(elementwise_loss, F.mse_loss, F.l1_loss, F.smooth_l1_loss, F.huber_loss)
+# torchlevels' F.l1_loss: what reaches __torch_function__, weighted (declined) or not
+_declare(elementwise_loss, F.mse_loss, l1_loss, F.smooth_l1_loss, F.huber_loss)
 _declare(like, torch.zeros_like, torch.ones_like, torch.empty_like, torch.full_like)
 _declare(new_factory, torch.Tensor.new_zeros, torch.Tensor.new_ones, torch.Tensor.new_empty)
 _declare(outer, torch.outer, torch.Tensor.outer, torch.ger, torch.Tensor.ger)
