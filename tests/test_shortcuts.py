@@ -272,6 +272,7 @@ CASES.update({
     "new_zeros(2, 3)": (lambda x: x.new_zeros(2, 3), (x3,), 0, True),
     "new_ones((2,), dtype)": (lambda x: x.new_ones((2,), dtype=torch.int64), (x3,), 0, True),
     "new_zeros(torch.Size)": (lambda x: x.new_zeros(x.shape), (x3,), 0, True),
+    "new_zeros(size=...)": (lambda x: x.new_zeros(size=(2,)), (x3,), 0, False),
     "outer": (torch.outer, (v4, u4), 0, True),
     "outer, unbatched second vector": (torch.outer, (v4, u4[0]), (0, None), True),
     "Tensor.ger, unbatched first vector": (torch.Tensor.ger, (v4[0], u4), (None, 0), True),

@@ -637,7 +637,7 @@ def new_factory(cls, func, args, kwargs):
     into the new tensor later may be batched)."""
     inner = _own(cls, args[0])
     size = _int_args(args, {})
-    if inner is None or size is None or kwargs.get("requires_grad"):
+    if inner is None or size is None or "size" in kwargs or kwargs.get("requires_grad"):
         return None
     return wrap_front(cls, _call(func, (inner, (inner.shape[0], *size)), kwargs))
 
