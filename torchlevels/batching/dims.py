@@ -49,6 +49,13 @@ def rows(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(x.shape[0], math.prod(x.shape[1:]))
 
 
+def per_example(x: torch.Tensor, mean: bool) -> torch.Tensor:
+    """Each example's mean (or, ``mean=False``, sum) of batch-first ``x``: a loss's terms
+    reduced as the loss of one example reduces them."""
+    flat = rows(x)
+    return flat.mean(1) if mean else flat.sum(1)
+
+
 def materialize(x: torch.Tensor, bdim: int | None, size: int) -> torch.Tensor:
     """``x`` with a batch dim of ``size`` first: moved there, or expanded when unbatched."""
     if bdim is None:

@@ -23,6 +23,7 @@ from torchlevels.batching.dims import (
     logical_shape,
     materialize,
     pad_to_rank,
+    per_example,
     to_front,
 )
 from torchlevels.batching.max_pool import max_pool
@@ -640,8 +641,7 @@ def elementwise_loss(func, args, dims, kwargs):
     loss = func(**bound, reduction=0)
     if reduction == 0:
         return loss, 0
-    rows = loss.flatten(1) if loss.dim() > 1 else loss.unsqueeze(1)
-    return (rows.mean(1) if reduction == 1 else rows.sum(1)), 0
+    return per_example(loss, mean=reduction == 1), 0
 
 
 # -- elementwise backward ops ----------------------------------------------------------------

@@ -32,7 +32,7 @@ import torch.autograd.forward_ad as forward_ad
 import torch.nn.functional as F
 
 from torchlevels._level import LevelTensor
-from torchlevels.batching.dims import pad_to_rank
+from torchlevels.batching.dims import pad_to_rank, per_example
 from torchlevels.batching.max_pool import max_pool
 from torchlevels.batching.predispatch import unintercepted
 from torchlevels.l1_loss_weight import l1_loss
@@ -590,7 +590,6 @@ def _operands(cls, args) -> tuple[list, list[int]] | None:
 
 
 _LOSS_KEYWORDS = frozenset(("size_average", "reduce", "reduction", "beta", "delta", "weight"))
-_REDUCED = {"mean": torch.Tensor.mean, "sum": torch.Tensor.sum}
 
 
 def elementwise_loss(cls, func, args, kwargs):
@@ -601,7 +600,7 @@ def elementwise_loss(cls, func, args, kwargs):
     operands = _operands(cls, args) if len(args) == 2 else None
     reduction = kwargs.get("reduction", "mean")
     if operands is None or not kwargs.keys() <= _LOSS_KEYWORDS or (
-            reduction != "none" and reduction not in _REDUCED) or any(
+            reduction not in ("mean", "sum", "none")) or any(
             kwargs.get(k) is not None for k in ("size_average", "reduce", "weight")):
         return None
     phys, _ = operands
@@ -613,8 +612,7 @@ def elementwise_loss(cls, func, args, kwargs):
     terms = _call(func, phys, {**kwargs, "reduction": "none"})
     if reduction == "none":
         return wrap_front(cls, terms)
-    rows = terms.flatten(1) if terms.dim() > 1 else terms.unsqueeze(1)
-    return wrap_front(cls, _REDUCED[reduction](rows, 1))
+    return wrap_front(cls, per_example(terms, mean=reduction == "mean"))
 
 
 def like(cls, func, args, kwargs):
