@@ -165,6 +165,67 @@ def test_inplace_into_unbatched_with_batched_values_errors():
     same_error(f, torch.randn(4, 3), match="out-of-place")
 
 
+def loop(f, *args):
+    """f of each example, stacked (each output of a tuple)."""
+    outs = [f(*example) for example in zip(*args)]
+    if isinstance(outs[0], torch.Tensor):
+        return torch.stack(outs)
+    return tuple(torch.stack(o) for o in zip(*outs))
+
+
+@pytest.mark.parametrize("f", [
+    lambda x: torch.add(x, 1, out=torch.empty_like(x)),
+    lambda x: torch.sum(x, 0, out=torch.empty_like(x[0])),
+    lambda x: torch.norm(x, 2, 0, False, torch.empty_like(x[0])),
+    lambda x: torch.max(x, 0, out=(torch.empty_like(x[0]), torch.empty_like(x[0]).long())),
+    lambda x: torch.mm(x, x.t(), out=torch.empty_like(x)),
+], ids=["add", "sum", "norm, out positional", "max, two outs", "mm"])
+def test_out_into_a_batched_tensor_writes_it(f):
+    """torch.func refuses every out= op; torchlevels runs the op and copies the result into
+    ``out``, which the caller gets back, as out= does."""
+    x = torch.randn(4, 3, 3)
+    with pytest.raises(RuntimeError, match="out="):
+        func_vmap(f)(x)
+    assert_close(vmap(f)(x), loop(f, x))
+
+    def written(x):
+        out = torch.zeros_like(x[0])
+        assert torch.sum(x, 0, out=out) is out
+        return out
+
+    assert_close(vmap(written)(x), x.sum(1))
+
+
+@pytest.mark.parametrize("f", [
+    lambda x: torch.add(x, 1, out=torch.empty(3, 3)),
+    lambda x: torch.norm(x, 2, 0, False, torch.empty(3)),
+    lambda x: torch.mm(x, x, out=torch.empty(3, 3)),
+], ids=["add", "norm", "mm"])
+def test_out_into_an_unbatched_tensor_errors(f):
+    """Batched values cannot go into a tensor that is not batched (before, the tensor was
+    resized to the batch and the result was wrong)."""
+    with pytest.raises(RuntimeError, match=r"its out= tensor `out`.*empty_like"):
+        vmap(f)(torch.randn(4, 3, 3))
+
+
+def test_out_in_compositions():
+    xs, ys = torch.randn(4, 3), torch.randn(4, 3)
+
+    def f(x, y):  # out= on a value that is not differentiated
+        return (x * torch.add(y, 1, out=torch.empty_like(y))).sum()
+
+    assert_close(vmap(torchlevels.grad(f))(xs, ys), loop(torch.func.grad(f), xs, ys))
+
+    def inner_into_outer(x):
+        out = torch.empty_like(x[0])  # batched by the outer vmap only
+        return vmap(lambda row: torch.mul(row, 2, out=out))(x)
+
+    with pytest.raises(RuntimeError, match="out="):
+        vmap(inner_into_outer)(torch.randn(2, 4, 3))
+    with pytest.raises(NotImplementedError, match="out= function"):
+        torchlevels.jvp(lambda x: torch.mul(x, 2, out=torch.empty(3)), (xs[0],), (ys[0],))
+
+
 def test_data_dependent_control_flow_errors():
     def branch(x):
         return x if x.sum() > 0 else -x

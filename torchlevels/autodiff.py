@@ -56,6 +56,7 @@ from torchlevels.batching.registry import (
     decomposition_of,
     gradient_flags,
     is_custom_op,
+    out_arguments,
     out_of_place_view,
     returns_view,
     writes_first_argument,
@@ -480,8 +481,10 @@ class JvpLevel(Level):
             return self._on_duals(cls, func, args, kwargs, inplace, level)
         except NotImplementedError as e:
             # PyTorch has no forward-AD formula for some ops (multi_margin_loss, CPU flash
-            # attention): their decomposition's pieces have (torch.func raises here)
-            decomposition = (None if inplace or "Trying to use forward AD with" not in str(e)
+            # attention): their decomposition's pieces have (torch.func raises here). An
+            # out= op has none by design: PyTorch's error says so
+            decomposition = (None if inplace or out_arguments(func)
+                             or "Trying to use forward AD with" not in str(e)
                              else decomposition_of(func))
             if decomposition is None:
                 raise

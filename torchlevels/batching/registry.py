@@ -127,7 +127,10 @@ def resolve(func: OpOverload) -> Resolved:
 def _resolve(func: OpOverload) -> Resolved:
     inplace = _is_inplace(func)
     view = returns_view(func)
-    own = _own.get(func) or _own.get(func.overloadpacket)
+    own = _own.get(func)
+    if own is None and out_arguments(func):
+        return Resolved(How.DECOMPOSITION, functools.partial(into_out, func))
+    own = own or _own.get(func.overloadpacket)
     if own is not None:
         return Resolved(How.OWN, own[0], takes_level=own[1], inplace=inplace, view=view)
     if is_custom_op(func) and _maybe_get_opdef(func)._vmap_fn is not None:
@@ -198,6 +201,52 @@ def written_arguments(func: OpOverload) -> tuple[int | None, ...]:
               and a.alias_info is not None
               and a.alias_info.before_set == r.alias_info.before_set), None)
         for r in schema.returns)
+
+
+@per_op
+def out_arguments(func: OpOverload) -> tuple[str, ...]:
+    """The names of the ``out=`` arguments that ``func`` writes (none for most ops)."""
+    return tuple(a.name for a in func._schema.arguments
+                 if a.kwarg_only and a.alias_info is not None and a.alias_info.is_write)
+
+
+@per_op
+def functional_overload(func: OpOverload) -> OpOverload | None:
+    """The overload of ``func``'s packet that takes its arguments but the ``out=`` ones and
+    writes none (``mul.out`` -> ``mul.Tensor``), or None."""
+    outs = out_arguments(func)
+    wanted = [s for s in _signature(func) if s[0] not in outs]
+    packet = func.overloadpacket
+    return next((op for op in (getattr(packet, name) for name in packet.overloads())
+                 if not op._schema.is_mutable and _signature(op) == wanted), None)
+
+
+def into_out(func: OpOverload, *args: Any, **kwargs: Any) -> Any:
+    """An ``out=`` op under vmap: its functional overload, its results then copied into the
+    ``out`` tensors (resized first where their shapes differ, as out= does). The copies
+    are in-place writes that the level checks like any other: batched results cannot go
+    into a tensor that is not batched."""
+    functional = functional_overload(func)
+    if functional is None:
+        raise RuntimeError(
+            f"vmap: {func} writes its out= argument and has no overload without one that "
+            "vmap could run instead; call the function without out= inside vmap.")
+    names = out_arguments(func)
+    outs = [kwargs.pop(name) for name in names]
+    result = functional(*args, **kwargs)
+    for name, out, value in zip(names, outs, (
+            (result,) if isinstance(result, torch.Tensor) else result)):
+        if out.shape != value.shape:
+            out.resize_(value.shape)
+        try:
+            out.copy_(value)
+        except RuntimeError as error:  # the level's own error, with what wrote where
+            raise type(error)(
+                f"vmap: {func} copies its result into its out= tensor `{name}`, which failed: "
+                f"{error} To write batched results, make the out tensor inside the function "
+                f"from a batched one (torch.empty_like(x)), or call {functional} without "
+                "out=.") from error
+    return outs[0] if len(outs) == 1 else tuple(outs)
 
 
 @per_op
