@@ -87,7 +87,14 @@ CASES = {
         torch.randn(4, 3, 5),), 0, True),
     "nuclear norm over two dims": (lambda x: x.norm("nuc", dim=(1, 2)), (
         torch.randn(4, 2, 3, 5),), 0, True),
-    "norm of all elements": (lambda x: x.norm(), (torch.randn(4, 3, 5),), 0, False),
+    "norm of all elements": (lambda x: x.norm(), (torch.randn(4, 3, 5),), 0, True),
+    "torch.norm of all elements, p=1, keepdim": (lambda x: torch.norm(x, 1, keepdim=True), (
+        torch.randn(4, 3, 5),), 0, True),
+    "norm of all elements, p=None, dtype": (lambda x: x.norm(None, dtype=torch.float64), (
+        torch.randn(4, 3, 5),), 0, True),
+    "nuclear norm of a whole example": (lambda x: x.norm("nuc"), (torch.randn(4, 3, 5),), 0,
+                                        False),
+    "norm of a 0-dim example": (lambda x: x.norm(), (torch.randn(4),), 0, False),
     "relu": (F.relu, (x4,), 0, True),
     "relu in place": (lambda x: F.relu(x.clone(), inplace=True), (x4,), 0, False),
     "leaky_relu, slope positional": (lambda x: F.leaky_relu(x, 0.1), (x4,), 0, True),
@@ -224,6 +231,26 @@ CASES.update({
         torch.randn(4, 2, 3), torch.randn(6, 3, 5)), (0, None), True),
     "matmul, unbatched on the left": (lambda a, b: a.matmul(b), (
         torch.randn(6, 2, 3), torch.randn(4, 3, 5)), (None, 0), True),
+    "batched vector @ matrix": (lambda a, b: a @ b, (x4, torch.randn(5, 3)), (0, None), True),
+    "matrix @ batched vector": (lambda a, b: a @ b, (torch.randn(3, 5), x4), (None, 0), True),
+    "batched matrices @ vector": (torch.matmul, (torch.randn(4, 2, 5), torch.randn(5)), (
+        0, None), True),
+    "vector @ batched matrices": (torch.matmul, (torch.randn(2), torch.randn(4, 2, 5)), (
+        None, 0), True),
+    "vector @ batched vector": (torch.matmul, (torch.randn(5), x4), (None, 0), True),
+    "batched vectors @ each other": (torch.matmul, (x4, y4), 0, True),
+    "batched vector @ batched matrices": (torch.matmul, (x4, torch.randn(4, 5, 2)), 0, True),
+    "batched matrices @ batched vector": (torch.matmul, (torch.randn(4, 2, 5), x4), 0, True),
+    "batched vector @ unbatched stack": (torch.matmul, (x4, torch.randn(6, 5, 2)), (0, None),
+                                         True),
+    "unbatched stack @ batched vector": (torch.matmul, (torch.randn(6, 2, 5), x4), (None, 0),
+                                         True),
+    "batched vector @ batched stack": (torch.matmul, (x4, torch.randn(4, 6, 5, 2)), 0, True),
+    "dot": (torch.dot, (x4, y4), 0, True),
+    "Tensor.dot, one unbatched": (torch.Tensor.dot, (torch.randn(5), y4), (None, 0), True),
+    "mv": (torch.mv, (torch.randn(4, 3, 5), y4), 0, True),
+    "mm": (torch.mm, (torch.randn(4, 3, 5), torch.randn(5, 2)), (0, None), True),
+    "bmm": (torch.bmm, (torch.randn(4, 6, 3, 5), torch.randn(6, 5, 2)), (0, None), True),
     "einsum": (lambda a, b: torch.einsum("ij, kj -> ik", a, b), (
         torch.randn(4, 2, 3), torch.randn(5, 3)), (0, None), True),
     "einsum with ellipses, both batched": (lambda a, b: torch.einsum("...ij,...jk->...ik", a, b), (
@@ -360,8 +387,9 @@ def test_attention_with_dropout_is_left_to_the_randomness_rules():
     lambda x: x.narrow(0, 1, 5), lambda x: x @ x, lambda x: torch.einsum("ij,jk->ik", x, x),
     lambda x: F.layer_norm(x, (2,)), lambda x: torch.where(x > 0, x, torch.zeros(5)),
     lambda x: F.scaled_dot_product_attention(x, x.mT, x), lambda x: x.norm(dim=(0, 1, 2)),
-    lambda x: x[0] * x[:, :2],
-], ids=range(21))
+    lambda x: x[0] * x[:, :2], lambda x: x[0, 0] @ x[0, :, 0], lambda x: torch.mm(x[0, 0], x[0]),
+    lambda x: x[0, 0, 0] @ x[0, 0], lambda x: torch.dot(x[0, 0], x[0, 0, :2]),
+], ids=range(25))
 def test_a_bad_view_raises_as_in_torch_func(call):
     x = torch.randn(4, 2, 3)
     with pytest.raises((RuntimeError, IndexError)) as theirs:
@@ -369,17 +397,6 @@ def test_a_bad_view_raises_as_in_torch_func(call):
     with pytest.raises((RuntimeError, IndexError)) as ours:
         vmap(call)(x)
     assert type(ours.value) is type(theirs.value)
-
-
-def test_matmul_of_a_vector_is_left_to_vmaps_composite_rule():
-    """A vector operand is no matrix of a stack: the shortcut declines (and vmap's rule for
-    the composite call, batching/composite.py, answers without the dispatcher)."""
-    vectors, matrices, vector = torch.randn(4, 3), torch.randn(4, 3, 5), torch.randn(3)
-    with vmap() as B:
-        vectors, matrices = B(vectors), B(matrices)
-        for a, b in [(vectors, matrices), (matrices.mT, vectors), (vectors, vector)]:
-            assert shortcuts.matmul(B, torch.matmul, (a, b), {}) is None
-    same(torch.matmul, torch.randn(4, 3), torch.randn(3, 5), in_dims=(0, None), shortcut=True)
 
 
 def test_a_chain_of_views_writes_through_to_its_base():

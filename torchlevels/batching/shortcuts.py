@@ -436,6 +436,30 @@ def normalized_trailing(cls, func, args, kwargs):
 _along_first_dim = along_dim(1)
 
 
+_norm_along = along_dim(2)
+_vector_norm = along_dim(2, _ALL)
+_NORM_PARAMETERS = ("input", "p", "dim", "keepdim")
+
+
+def norm(cls, func, args, kwargs):
+    """``x.norm(p, dim, keepdim, dtype=...)``: along the given dims of each example; with
+    none, for a number ``p`` or "fro", ``torch.linalg.vector_norm`` of each whole example,
+    as torch.norm computes it (a matrix norm of a whole example goes the usual way)."""
+    given = dict(zip(_NORM_PARAMETERS, args), **kwargs)
+    if len(args) > 4 or "input" not in given or given.get("out") is not None or (
+            given.keys() - {*_NORM_PARAMETERS, "dtype", "out"}):
+        return None  # out= (torch.norm's fifth), or a name torch.norm does not take
+    given.pop("out", None)
+    if given.get("dim") is not None:
+        return _norm_along(cls, func, args, kwargs)
+    p = given.get("p", "fro")
+    if isinstance(p, str) and p != "fro":
+        return None
+    return _vector_norm(cls, torch.linalg.vector_norm, (
+        given["input"], 2 if p is None or isinstance(p, str) else p, _ALL,
+        given.get("keepdim", False)), {"dtype": given.get("dtype")})
+
+
 def squeeze(cls, func, args, kwargs):
     """``x.squeeze(dim)``, or ``x.squeeze()``: the example's size-1 dims, not the batch's."""
     if len(args) > 1 or kwargs:
@@ -509,18 +533,37 @@ def cat(cls, func, args, kwargs):
 
 
 def matmul(cls, func, args, kwargs):
-    """``a @ b`` of matrices or stacks of them (no vectors): batched operands padded to
-    the larger rank with size-1 dims after the batch dim broadcast as each example's."""
-    if kwargs or len(args) != 2:
+    """``a @ b``. A batched vector is a one-row (first) or one-column (second) matrix
+    whose dim leaves the product, as matmul defines it, unless the physical call already
+    treats it as a batch of vectors; operands of two or more dims are padded to the larger
+    rank with size-1 dims after the batch dim, broadcast as each example's. ``dot``,
+    ``mv``, ``mm`` and ``bmm`` are matmul of the ranks they take."""
+    operands = None if kwargs or len(args) != 2 else _operands(cls, args)
+    if operands is None or 0 in operands[1] or func in _RANKS and (
+            tuple(operands[1]) != _RANKS[func]):
         return None
-    phys = [_operand(cls, a) for a in args]
-    if any(p is None for p in phys):
-        return None
-    ranks = [p.dim() - (type(a) is cls) for a, p in zip(args, phys)]
-    if min(ranks) < 2:
-        return None
-    phys = [pad_to_rank(p, max(ranks)) if type(a) is cls else p for a, p in zip(args, phys)]
-    return _taken(cls, torch.matmul, phys, {})
+    (a, b), (rank_a, rank_b) = operands
+    ours_a, ours_b = type(args[0]) is cls, type(args[1]) is cls
+    if ours_b and rank_b == 1 and not ours_a and rank_a <= 2:  # the batch of vectors first
+        return _taken(cls, torch.matmul, (b, a if rank_a == 1 else a.mT), {})
+    row = ours_a and rank_a == 1 and (ours_b or rank_b > 2)
+    column = ours_b and rank_b == 1
+    if row:
+        a, rank_a = a.unsqueeze(-2), 2
+    if column:
+        b, rank_b = b.unsqueeze(-1), 2
+    if rank_a > 1 and rank_b > 1:
+        rank = max(rank_a, rank_b)
+        a, b = (pad_to_rank(a, rank) if ours_a else a), (pad_to_rank(b, rank) if ours_b else b)
+    try:
+        out = _call(torch.matmul, (a, b), {})
+    except RuntimeError:
+        return None  # the usual path raises torch's error, naming the example's shapes
+    if column:
+        out = out.squeeze(-1)
+    if row:
+        out = out.squeeze(-1 if column else -2)
+    return wrap_front(cls, out)
 
 
 def einsum(cls, func, args, kwargs):
@@ -719,6 +762,13 @@ def torch_and_tensor(*names: str) -> list:
     return [getattr(m, n) for n in names for m in (torch, torch.Tensor) if hasattr(m, n)]
 
 
+# the example ranks that dot, mv, mm and bmm take (the usual path raises torch's error
+# for others)
+_RANKS = {f: ranks for names, ranks in (("dot", (1, 1)), ("mv", (2, 1)), ("mm", (2, 2)),
+                                        ("bmm", (3, 3)))
+          for f in torch_and_tensor(names)}
+
+
 # torch.<name> and Tensor.<name>, and Tensor's operators: elementwise, each tested against
 # torch.func.vmap in tests/test_shortcuts.py
 POINTWISE_NAMES = [
@@ -759,7 +809,7 @@ _declare(along_dim(2, 0), torch.split, torch.Tensor.split, torch.chunk, torch.Te
 _declare(along_dim(1, 0), torch.unbind, torch.Tensor.unbind)
 _declare(along_dim(2, 1), F.normalize)
 _declare(along_dim(2, _ALL), torch.linalg.vector_norm)
-_declare(along_dim(2), torch.norm, torch.Tensor.norm)  # no dim: "fro" may mean matrix_norm
+_declare(norm, torch.norm, torch.Tensor.norm)
 _declare(squeeze, torch.squeeze, torch.Tensor.squeeze)
 _declare(normalized_trailing, F.layer_norm, F.rms_norm)
 _declare(getitem, torch.Tensor.__getitem__)
@@ -767,7 +817,7 @@ _declare(expand, torch.Tensor.expand)
 _declare(where, torch.where, torch.Tensor.where)
 _declare(masked_fill, torch.Tensor.masked_fill)
 _declare(cat, torch.cat, torch.concat, torch.stack)
-_declare(matmul, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__)
+_declare(matmul, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, *_RANKS)
 _declare(einsum, torch.einsum)
 _declare(attention, F.scaled_dot_product_attention)
 # torchlevels' F.l1_loss: what reaches __torch_function__, weighted (declined) or not
