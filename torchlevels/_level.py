@@ -238,6 +238,13 @@ def autograd_records() -> bool:
 
 def wrap_inner(cls: type[LevelTensor], inner: torch.Tensor) -> LevelTensor:
     """A tensor of level ``cls`` standing for ``inner``, with its shape, strides and offset."""
+    if isinstance(inner, LevelTensor):  # its metadata as PyTorch has it, without a trip
+        with _no_subclass_torch_function():  # through its level's __torch_function__ each
+            return _wrap_inner(cls, inner)
+    return _wrap_inner(cls, inner)
+
+
+def _wrap_inner(cls: type[LevelTensor], inner: torch.Tensor) -> LevelTensor:
     out = torch.Tensor._make_wrapper_subclass(
         cls, inner.shape, strides=inner.stride(), storage_offset=inner.storage_offset(),
         dtype=inner.dtype, device=inner.device,
