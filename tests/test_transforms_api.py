@@ -19,7 +19,7 @@ import torchlevels
 import torchlevels as tl
 from torchlevels import EscapedTensorError, grad_level, jvp_level
 from torchlevels._level import LevelTensor
-from torchlevels.batching.pointwise import UnbatchedWriteError
+from torchlevels.batching.registry import UnbatchedWriteError
 
 
 def assert_tree_close(actual, expected, **kwargs):

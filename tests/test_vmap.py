@@ -165,6 +165,18 @@ def test_inplace_into_unbatched_with_batched_values_errors():
     same_error(f, torch.randn(4, 3), match="out-of-place")
 
 
+@pytest.mark.parametrize("write", [
+    lambda x, v: x.addr_(v, v[:2]), lambda x, v: x.view(-1).put_(torch.tensor([0, 3]), v[:2]),
+], ids=["addr_", "put_"])
+def test_an_op_without_a_rule_writing_an_unbatched_tensor_errors(write):
+    """The slow loop's examples would each write the one tensor in turn (before: silently,
+    a result that matched no example)."""
+    x, v = torch.randn(3, 2), torch.randn(4, 3)
+    same_error(lambda v: write(x.clone(), v), v, match="out-of-place")
+    assert_close(vmap(lambda x, v: write(x.clone(), v))(x.expand(4, 3, 2), v),
+                 torch.stack([write(x.clone(), e) for e in v]))
+
+
 def loop(f, *args):
     """f of each example, stacked (each output of a tuple)."""
     outs = [f(*example) for example in zip(*args)]

@@ -33,7 +33,7 @@ from torchlevels.autodiff import (
     shallow_copy,
 )
 from torchlevels.autograd_grad import own_grad
-from torchlevels.batching.pointwise import UnbatchedWriteError
+from torchlevels.batching.registry import UnbatchedWriteError
 from torchlevels.vmap import BatchLevel, vmap
 
 __all__ = [

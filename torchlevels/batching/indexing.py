@@ -26,11 +26,12 @@ from torchlevels.batching.dims import (
     to_front,
     wrap_dim,
 )
-from torchlevels.batching.pointwise import pointwise_rule, raise_inplace_unbatched_self
+from torchlevels.batching.pointwise import pointwise_rule
 from torchlevels.batching.registry import (
     batch_size,
     loop_rule,
     out_of_place,
+    raise_inplace_unbatched_self,
     register,
     writes_first_argument,
 )

@@ -15,6 +15,7 @@ from torchlevels.batching.dims import materialize, pad_to_rank, to_front
 from torchlevels.batching.registry import (
     batch_size,
     out_of_place,
+    raise_inplace_unbatched_self,
     register,
     register_family,
     writes_first_argument,
@@ -102,19 +103,6 @@ def _promote_batched_scalars(func, phys, args, dims):
 def _same_category(a: torch.dtype, b: torch.dtype) -> bool:
     return a != b and a != torch.bool and (a.is_floating_point, a.is_complex) == (
         b.is_floating_point, b.is_complex
-    )
-
-
-class UnbatchedWriteError(RuntimeError):
-    """Batched values written in place into a tensor that is not batched at that level."""
-
-
-def raise_inplace_unbatched_self(func) -> None:
-    raise UnbatchedWriteError(
-        f"vmap: {func}(self, *extra_args) is not possible because there exists a Tensor "
-        "`other` in extra_args that has more elements than `self`. This happened due to "
-        "`other` being vmapped over but `self` not being vmapped over in a vmap. Please try "
-        f"to use out-of-place operators instead of {func}."
     )
 
 

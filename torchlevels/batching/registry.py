@@ -191,6 +191,13 @@ def returns_view(func: OpOverload) -> bool:
 
 
 @per_op
+def written_positions(func: OpOverload) -> tuple[int, ...]:
+    """The positions of the arguments that ``func`` writes (``self`` of ``add_``)."""
+    return tuple(k for k, a in enumerate(func._schema.arguments)
+                 if a.alias_info is not None and a.alias_info.is_write)
+
+
+@per_op
 def written_arguments(func: OpOverload) -> tuple[int | None, ...]:
     """For each output of ``func``: the position of the argument it writes and returns
     (an in-place or out= op's), else None."""
@@ -240,8 +247,8 @@ def into_out(func: OpOverload, *args: Any, **kwargs: Any) -> Any:
             out.resize_(value.shape)
         try:
             out.copy_(value)
-        except RuntimeError as error:  # the level's own error, with what wrote where
-            raise type(error)(
+        except UnbatchedWriteError as error:  # the level's own error, with what wrote where
+            raise UnbatchedWriteError(
                 f"vmap: {func} copies its result into its out= tensor `{name}`, which failed: "
                 f"{error} To write batched results, make the out tensor inside the function "
                 f"from a batched one (torch.empty_like(x)), or call {functional} without "
@@ -363,7 +370,21 @@ def registered_ops() -> Iterable[OpOverload | OpOverloadPacket]:
     return _own.keys()
 
 
+class UnbatchedWriteError(RuntimeError):
+    """Batched values written in place into a tensor that is not batched at that level."""
+
+
+def raise_inplace_unbatched_self(func) -> None:
+    raise UnbatchedWriteError(
+        f"vmap: {func}(self, *extra_args) is not possible because there exists a Tensor "
+        "`other` in extra_args that has more elements than `self`. This happened due to "
+        "`other` being vmapped over but `self` not being vmapped over in a vmap. Please try "
+        f"to use out-of-place operators instead of {func}."
+    )
+
+
 _warned: set[OpOverload] = set()
+_resize_as_ = torch.ops.aten.resize_as_.default
 
 
 def reset_loop_warnings() -> None:
@@ -373,6 +394,10 @@ def reset_loop_warnings() -> None:
 
 def loop_rule(func: OpOverload, args: tuple, dims: tuple, kwargs: dict) -> tuple[Any, Any]:
     """The fallback: run ``func`` once per example and stack the results (slow, warns)."""
+    if func is not _resize_as_ and any(  # (which reads only the same shape from each)
+            dims[k] is None and isinstance(args[k], torch.Tensor)
+            for k in written_positions(func) if k < len(args)):
+        raise_inplace_unbatched_self(func)  # each example would write into the one tensor
     if func not in _warned:
         _warned.add(func)
         warnings.warn(f"no batching rule for {func}; using a slow loop", stacklevel=2)
