@@ -46,6 +46,23 @@ class Outcome:
     cases: int = 0  # (sample, in_dims) cases that ran
 
 
+class Variant:
+    """An OpInfo called as its ``method`` (``x.add(y)``) or ``inplace`` variant
+    (``x.add_(y)``, on a copy of ``x``), with the OpInfo's samples and name."""
+
+    def __init__(self, op, kind: str) -> None:
+        self.op, self.kind = op, kind
+        self.call = op.method_variant if kind == "method" else op.inplace_variant
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.op, name)
+
+    def __call__(self, x: Any, *args: Any, **kwargs: Any) -> Any:
+        if self.kind == "inplace":
+            x = x.clone()
+        return self.call(x, *args, **kwargs)
+
+
 def op_id(op) -> str:
     """``name`` or ``name.variant``: unique over op_db."""
     return f"{op.name}.{op.variant_test_name}" if op.variant_test_name else op.name
@@ -245,6 +262,13 @@ def _run_op(op, vmap_impl: Callable) -> Outcome:
             args, in_dims = batched_args(sample, dims)
             kwargs = sample.kwargs
             fn = lambda *a, kwargs=kwargs: op(*a, **kwargs)
+            if getattr(op, "kind", None) == "inplace" and dims[0] is None and isinstance(
+                    sample.leaves[0], torch.Tensor):
+                problem = _refused(vmap_impl(fn, in_dims=in_dims, randomness=randomness), args)
+                if problem:
+                    return Outcome("fail", f"{where}: {problem}")
+                outcome.cases += 1
+                continue
             _forget_warned()
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
@@ -270,6 +294,18 @@ def _run_op(op, vmap_impl: Callable) -> Outcome:
                 outcome.detail = f"{where}: {problem}"
                 return outcome
     return outcome
+
+
+def _refused(vmapped: Callable, args: tuple) -> str:
+    """An empty string when ``vmapped``, which writes batched values in place into an
+    unbatched input, raises vmap's error for that, else what it did instead."""
+    try:
+        vmapped(*args)
+    except _Timeout:
+        raise
+    except Exception as e:
+        return "" if "out-of-place" in str(e) else f"{type(e).__name__}: {_first_line(e)}"
+    return "wrote batched values into an unbatched input without an error"
 
 
 def compare(actual: list, expected: list, shape_only: bool = False) -> str:

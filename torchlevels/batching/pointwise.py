@@ -192,10 +192,17 @@ def _channels_last(func, args, dims, kwargs, memory_format):
 
 
 def elementwise_prim_rule(func, args, dims, kwargs):
-    """prims.* elementwise ops (from torch._refs decompositions) need equal shapes."""
+    """prims.* elementwise ops (from torch._refs decompositions) need equal shapes, but
+    for 0-dim CPU tensors, which the refs leave unbroadcast: each operand expanded to the
+    batch of the examples' broadcast shape (a batched 0-dim example is no longer 0-dim)."""
     size = batch_size(args, dims)
-    return func(*[materialize(a, d, size) if isinstance(a, torch.Tensor) else a
-                  for a, d in zip(args, dims)], **kwargs), 0
+    tensors = [(materialize(a, d, size), d) for a, d in zip(args, dims)
+               if isinstance(a, torch.Tensor)]
+    shape = torch.broadcast_shapes(*(t.shape[1:] for t, _ in tensors))
+    expanded = iter(t if t.shape[1:] == shape else pad_to_rank(t, len(shape)).expand(
+        size, *shape) for t, _ in tensors)
+    return func(*[next(expanded) if isinstance(a, torch.Tensor) else a for a in args],
+                **kwargs), 0
 
 
 def _is_elementwise_prim(func) -> bool:
