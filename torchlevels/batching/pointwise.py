@@ -196,11 +196,11 @@ def elementwise_prim_rule(func, args, dims, kwargs):
     for 0-dim CPU tensors, which the refs leave unbroadcast: each operand expanded to the
     batch of the examples' broadcast shape (a batched 0-dim example is no longer 0-dim)."""
     size = batch_size(args, dims)
-    tensors = [(materialize(a, d, size), d) for a, d in zip(args, dims)
+    tensors = [materialize(a, d, size) for a, d in zip(args, dims)
                if isinstance(a, torch.Tensor)]
-    shape = torch.broadcast_shapes(*(t.shape[1:] for t, _ in tensors))
+    shape = torch.broadcast_shapes(*(t.shape[1:] for t in tensors))
     expanded = iter(t if t.shape[1:] == shape else pad_to_rank(t, len(shape)).expand(
-        size, *shape) for t, _ in tensors)
+        size, *shape) for t in tensors)
     return func(*[next(expanded) if isinstance(a, torch.Tensor) else a for a in args],
                 **kwargs), 0
 

@@ -213,8 +213,8 @@ def written_arguments(func: OpOverload) -> tuple[int | None, ...]:
 @per_op
 def out_arguments(func: OpOverload) -> tuple[str, ...]:
     """The names of the ``out=`` arguments that ``func`` writes (none for most ops)."""
-    return tuple(a.name for a in func._schema.arguments
-                 if a.kwarg_only and a.alias_info is not None and a.alias_info.is_write)
+    arguments = func._schema.arguments
+    return tuple(arguments[k].name for k in written_positions(func) if arguments[k].kwarg_only)
 
 
 @per_op
@@ -394,10 +394,12 @@ def reset_loop_warnings() -> None:
 
 def loop_rule(func: OpOverload, args: tuple, dims: tuple, kwargs: dict) -> tuple[Any, Any]:
     """The fallback: run ``func`` once per example and stack the results (slow, warns)."""
-    if func is not _resize_as_ and any(  # (which reads only the same shape from each)
+    # each example would write the one unbatched tensor in turn (resize_as_ may: it reads
+    # only the template's shape, the same for every example)
+    if func is not _resize_as_ and any(
             dims[k] is None and isinstance(args[k], torch.Tensor)
             for k in written_positions(func) if k < len(args)):
-        raise_inplace_unbatched_self(func)  # each example would write into the one tensor
+        raise_inplace_unbatched_self(func)
     if func not in _warned:
         _warned.add(func)
         warnings.warn(f"no batching rule for {func}; using a slow loop", stacklevel=2)

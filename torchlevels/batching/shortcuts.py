@@ -544,7 +544,9 @@ def matmul(cls, func, args, kwargs):
         return None
     (a, b), (rank_a, rank_b) = operands
     ours_a, ours_b = type(args[0]) is cls, type(args[1]) is cls
-    if ours_b and rank_b == 1 and not ours_a and rank_a <= 2:  # the batch of vectors first
+    if ours_b and rank_b == 1 and not ours_a and rank_a <= 2:
+        # an unbatched vector or matrix times batched vectors: the vectors' batch on the
+        # left of the same product, as torch.matmul batches a left operand's leading dims
         return _taken(cls, torch.matmul, (b, a if rank_a == 1 else a.mT), {})
     row = ours_a and rank_a == 1 and (ours_b or rank_b > 2)
     column = ours_b and rank_b == 1
