@@ -449,7 +449,6 @@ def norm(cls, func, args, kwargs):
     if len(args) > 4 or "input" not in given or given.get("out") is not None or (
             given.keys() - {*_NORM_PARAMETERS, "dtype", "out"}):
         return None  # out= (torch.norm's fifth), or a name torch.norm does not take
-    given.pop("out", None)
     if given.get("dim") is not None:
         return _norm_along(cls, func, args, kwargs)
     p = given.get("p", "fro")
