@@ -1210,6 +1210,26 @@ def test_inplace_on_own_tensors_is_fine():
     assert_tree_close(tl.jvp(f, (X,), (Y,)), tf.jvp(f, (X,), (Y,)))
 
 
+def test_an_in_place_op_that_grows_its_tensor_inside_grad():
+    # addbmm_ resizes a one-element self to the product's shape, as its out= form does;
+    # the level's wrapper must take the new, larger shape (the OpInfo variants sweep found
+    # it failing to)
+    b1, b2 = torch.randn(2, 3, 3), torch.randn(2, 3, 4)
+
+    def f(x):
+        y = x.clone()
+        y.addbmm_(b1, b2)
+        assert y.shape == (3, 4)
+        return (y * y.detach()).sum()
+
+    x = torch.randn(1)
+    assert_tree_close(tl.grad(f)(x), tf.grad(f)(x))
+    # under vmap the batched write cannot resize its examples and raises, where
+    # torch.func leaves y of shape (1,) and returns gradients that match no example
+    with pytest.raises(RuntimeError, match="doesn't match the broadcast shape"):
+        tl.vmap(tl.grad(f))(x.expand(2, 1))
+
+
 @pytest.mark.parametrize("api", ["grad", "jvp"])
 def test_a_factory_buffer_written_with_tracked_values_is_refused_with_the_fix(api):
     # a known difference: torch.func wraps every tensor made inside the transform, so it

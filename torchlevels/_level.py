@@ -326,9 +326,22 @@ def differentiated(*tensors: Any) -> bool:
 
 
 def set_logical_meta(tensor: LevelTensor, shape, strides, storage_offset: int = 0) -> None:
-    """Change a level tensor's own sizes and strides in place (after ``squeeze_`` and such)."""
+    """Change a level tensor's own sizes and strides in place (after ``squeeze_`` and such).
+
+    An in-place op may also grow its tensor (``x.addbmm_(a, b)`` resizes a one-element
+    ``x`` to the product's shape): the wrapper then takes a placeholder storage of the new
+    size, as a new wrapper of that geometry would have (it holds no data either way).
+    """
+    end = storage_offset + sum((n - 1) * s for n, s in zip(shape, strides)) + 1
     with torch._C._DisableTorchDispatch():
-        torch.ops.aten.as_strided_.default(tensor, shape, strides, storage_offset)
+        if 0 not in shape and end * tensor.element_size() > tensor.untyped_storage().nbytes():
+            room = torch.Tensor._make_wrapper_subclass(
+                type(tensor), shape, strides=strides, storage_offset=storage_offset,
+                dtype=tensor.dtype, device=tensor.device)
+            torch.ops.aten.set_.source_Storage_storage_offset(
+                tensor, room.untyped_storage(), storage_offset, shape, strides)
+        else:
+            torch.ops.aten.as_strided_.default(tensor, shape, strides, storage_offset)
 
 
 def escape_message(level: Level, func) -> str:
