@@ -25,7 +25,7 @@ XFAILS: dict[str, str] = {
     **_each(
         "both: as_strided addresses storage, so strides that are right per example are "
         "wrong on the batched storage",
-        "as_strided", "as_strided.partial_views", "as_strided_copy", "as_strided_scatter",
+        "as_strided", "as_strided.partial_views", "as_strided_copy",
     ),
     "index_put": (
         "both: a batched boolean mask gives a data-dependent shape"
@@ -55,8 +55,8 @@ SLOW_LOOP_XFAILS: dict[str, str] = {}
 # functions do; in-place variants (``.inplace``) as below.
 VARIANT_XFAILS: dict[str, str] = {
     **{f"{op}.method": XFAILS[op] for op in (
-        "as_strided", "as_strided.partial_views", "as_strided_scatter", "index_put",
-        "masked_select", "narrow", "tensor_split")},
+        "as_strided", "as_strided.partial_views", "index_put", "masked_select", "narrow",
+        "tensor_split")},
     **{f"{op}.inplace": XFAILS[op] for op in (
         "as_strided", "as_strided.partial_views", "index_put", "resize_")},
     "addbmm.inplace": (

@@ -92,6 +92,27 @@ def test_as_strided_is_relative_to_each_examples_storage(in_dim):
                                func_vmap(g, in_dims=in_dim)(x))
 
 
+@pytest.mark.parametrize("in_dims", [(0, 0), (1, None), (2, 1), (None, 0)])
+def test_as_strided_scatter_writes_each_examples_own_clone(in_dims):
+    """Each example's result is a clone of its input written through as_strided of the
+    clone's storage. torch.func has no rule, and a loop over views of the batch would
+    address the batch's storage: the reference clones each example first."""
+    def f(x, src):
+        return torch.as_strided_scatter(x, src, (2, 2), (1, 3), 1)
+
+    xs, srcs = torch.randn(3, 4, 5), torch.randn(3, 2, 2)
+    x = xs[0] if in_dims[0] is None else xs.movedim(0, in_dims[0])
+    src = srcs[0] if in_dims[1] is None else srcs.movedim(0, in_dims[1])
+    expected = torch.stack([f(xs[0 if in_dims[0] is None else b].clone(),
+                              srcs[0 if in_dims[1] is None else b]) for b in range(3)])
+    torch.testing.assert_close(vmap_without_slow_loop(f, x, src, in_dims=in_dims), expected)
+    columns = torch.randn(3, 5, 4).transpose(1, 2)  # examples laid out column-major
+    torch.testing.assert_close(vmap(f)(columns, srcs),
+                               torch.stack([f(c.clone(), s) for c, s in zip(columns, srcs)]))
+    with pytest.raises(RuntimeError, match="expected src to have a size equal to the slice"):
+        vmap(f)(xs, srcs[:, :1])
+
+
 def test_new_empty_strided_is_batched():
     """autograd's CopySlices writes a batched gradient into ``new_empty_strided`` of it."""
     def f(x):

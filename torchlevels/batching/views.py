@@ -229,6 +229,30 @@ def as_strided(func, args, dims, kwargs):
     return func(x, [x.shape[d], *size], [x.stride(d), *stride], offset), 0
 
 
+@register(aten.as_strided_scatter.default)
+def as_strided_scatter(func, args, dims, kwargs):
+    """Each example's result is a clone of its input (a storage of its own, in the input's
+    layout when that is dense) with ``src`` written through ``as_strided`` of that storage:
+    lay the clones out one block per example and write through one batched ``as_strided``.
+    (A loop over the examples would address the batch's shared storage instead.)"""
+    x, src, size, stride, *rest = args
+    offset = (rest[0] if rest else kwargs.get("storage_offset")) or 0
+    n = batch_size(args, dims)
+    x, src = materialize(x, dims[0], n), materialize(src, dims[1], n)
+    if list(src.shape[1:]) != list(size):
+        raise RuntimeError(
+            "expected src to have a size equal to the slice of self. "
+            f"src size = {list(src.shape[1:])}, slice size = {list(size)}"
+        )
+    shape = x.shape[1:]
+    layout = torch.empty_strided(shape, x.stride()[1:], device="meta").clone().stride()
+    extent = max(span(shape, layout), 1)
+    out = x.new_empty_strided((n, *shape), (extent, *layout))
+    out.copy_(x)
+    out.as_strided((n, *size), (extent, *stride), offset).copy_(src)
+    return out, 0
+
+
 @register(aten.new_empty_strided.default)
 def new_empty_strided(func, args, dims, kwargs):
     """Batched: one block of storage per example, laid out with the given strides."""
