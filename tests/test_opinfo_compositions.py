@@ -122,6 +122,12 @@ def _matches(lib, order: str, f, batched, expected) -> bool | None:
                for g, e in zip(got, expected))
 
 
+# torch.autograd's derivative of as_strided_scatter in its input is wrong (it fails
+# gradcheck; tests/test_rules_core.py checks both that and that torchlevels' batching
+# rule differentiates right), so grad(vmap) cannot match the loop there.
+AUTOGRAD_WRONG = ("as_strided_scatter.",)
+
+
 @pytest.mark.parametrize("order", ["vmap(grad)", "grad(vmap)"])
 def test_per_example_gradients_of_every_opinfo_match_a_loop(order):
     """``grad(vmap)`` differentiates the batching rules themselves: a rule's pieces must
@@ -130,6 +136,8 @@ def test_per_example_gradients_of_every_opinfo_match_a_loop(order):
     warnings.simplefilter("ignore")
     behind, wrong, checked = [], [], 0
     for name, f, batched in _cases():
+        if order == "grad(vmap)" and name.startswith(AUTOGRAD_WRONG):
+            continue
         try:
             expected = _loop(f, batched)
         except Exception:  # the op rejects its perturbed sample: nothing to compare

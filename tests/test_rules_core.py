@@ -90,6 +90,21 @@ def test_as_strided_is_relative_to_each_examples_storage(in_dim):
     g = lambda x: x.t().as_strided((4,), (6,))  # no offset: the tensor's own  # noqa: E731
     torch.testing.assert_close(vmap_without_slow_loop(g, x, in_dims=in_dim),
                                func_vmap(g, in_dims=in_dim)(x))
+    # in place, the tensor takes the same view (torch.func loops and keeps its old shape)
+    h = lambda x: x.clone().as_strided_((2, 3), (5, 2), 1)  # noqa: E731
+    torch.testing.assert_close(vmap_without_slow_loop(h, x, in_dims=in_dim), ours)
+
+
+def test_in_place_as_strided_under_grad_of_vmap_matches_a_loop():
+    def f(x):
+        y = x.clone()
+        y.as_strided_((2, 3), (5, 2), 1)
+        return (y * y).sum()
+
+    xs = torch.randn(3, 4, 5)
+    loop = torch.stack([torch.func.grad(f)(x.clone()) for x in xs])
+    torch.testing.assert_close(torchlevels.grad(lambda x: vmap(f)(x).sum())(xs), loop)
+    torch.testing.assert_close(vmap(torchlevels.grad(f))(xs), loop)
 
 
 @pytest.mark.parametrize("in_dims", [(0, 0), (1, None), (2, 1), (None, 0)])
@@ -111,6 +126,20 @@ def test_as_strided_scatter_writes_each_examples_own_clone(in_dims):
                                torch.stack([f(c.clone(), s) for c, s in zip(columns, srcs)]))
     with pytest.raises(RuntimeError, match="expected src to have a size equal to the slice"):
         vmap(f)(xs, srcs[:, :1])
+
+
+def test_as_strided_scatter_rule_differentiates_right_where_autograd_does_not():
+    """grad(vmap) differentiates the rule's clone and writes, which gives the right
+    derivative; PyTorch's own formula for the input's does not (gradcheck fails), so a
+    loop with torch.autograd is no reference for it (tests/test_opinfo_compositions.py)."""
+    def f(x, src):
+        return torch.as_strided_scatter(x, src, (2, 2), (1, 3), 1)
+
+    xs = torch.randn(3, 4, 5, dtype=torch.float64, requires_grad=True)
+    srcs = torch.randn(3, 2, 2, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(vmap(f), (xs, srcs))
+    with pytest.raises(RuntimeError, match="Jacobian mismatch"):  # GradcheckError
+        torch.autograd.gradcheck(f, (xs[0].detach().requires_grad_(), srcs[0]))
 
 
 def test_new_empty_strided_is_batched():

@@ -226,7 +226,7 @@ def as_strided(func, args, dims, kwargs):
     x, size, stride, *rest = args
     offset = rest[0] if rest and rest[0] is not None else x.storage_offset()
     d = dims[0]
-    return func(x, [x.shape[d], *size], [x.stride(d), *stride], offset), 0
+    return x.as_strided([x.shape[d], *size], [x.stride(d), *stride], offset), 0
 
 
 @register(aten.as_strided_scatter.default)
@@ -261,8 +261,11 @@ def new_empty_strided(func, args, dims, kwargs):
     return func(x, [x.shape[dims[0]], *size], [extent, *stride], **kwargs), 0
 
 
-@register(aten.as_strided_, aten.resize_)
-def inplace_restride(func, args, dims, kwargs):
+register(aten.as_strided_.default)(as_strided)  # out of place: the wrapper takes the view
+
+
+@register(aten.resize_)
+def inplace_resize(func, args, dims, kwargs):
     raise RuntimeError(
         f"vmap: {func} sets the sizes and strides of a batched tensor in place, which cannot "
         "be batched. Use an out-of-place op (reshape, view, expand) instead."
