@@ -291,3 +291,26 @@ def test_bilinear_and_its_gradients(dims, n):
     grads = torch.func.grad(loss, argnums=(0, 1, 2))
     ours = vmap_without_slow_loop(grad(loss, argnums=(0, 1, 2)), x1, x2, w, in_dims=dims)
     torch.testing.assert_close(ours, torch.func.vmap(grads, in_dims=dims)(x1, x2, w))
+
+
+@pytest.mark.parametrize("op", ["addmv", "addmm", "baddbmm", "addbmm"])
+def test_integer_products_read_float_scalars_as_their_kernels_do(op):
+    """An integer kernel truncates a float beta or alpha (``beta=0.2`` ignores self);
+    scaling self by it in Python would promote the result to float."""
+    shapes = {"addmv": ((5,), (5, 4), (4,)), "addmm": ((5, 3), (5, 4), (4, 3)),
+              "baddbmm": ((2, 5, 3), (2, 5, 4), (2, 4, 3)),
+              "addbmm": ((5, 3), (2, 5, 4), (2, 4, 3))}
+    f = functools.partial(getattr(torch, op), beta=1.7, alpha=2.6)
+    args = [torch.randint(-5, 5, (3, *s)) for s in shapes[op]]
+    for in_dims in [(0, 0, 0), (0, None, 0), (0, 0, None)]:
+        batched = [a if d is not None else a[0] for a, d in zip(args, in_dims)]
+        # torch.func promotes to float32 here: against the loop only
+        assert check_vmap(f, *batched, in_dims=in_dims, against_func=False).dtype == torch.int64
+
+
+def test_integer_addr_refuses_float_scalars_as_its_kernel_does():
+    x, v = torch.randint(-5, 5, (3, 4, 4)), torch.randint(-5, 5, (3, 4))
+    for kwargs in ({"beta": 1.5}, {"alpha": 0.5}):
+        with pytest.raises(RuntimeError, match="must not be a floating point number"):
+            vmap(functools.partial(torch.addr, **kwargs))(x, v, v)
+    check_vmap(functools.partial(torch.addr, beta=2, alpha=3), x, v, v)

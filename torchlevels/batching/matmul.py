@@ -98,8 +98,18 @@ def vector_dot(a, da, b, db):
     return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).view(a.shape[0]), 0
 
 
+def _scalars_of(t: torch.Tensor, *scalars):
+    """The scalars as a kernel of ``t``'s dtype reads them: an integer kernel truncates
+    a float ``beta`` or ``alpha`` to an integer (``addmv(x, m, v, beta=0.2)`` of int64
+    tensors ignores ``x``), where ``s * beta`` would promote to float."""
+    if t.is_floating_point() or t.is_complex():
+        return scalars
+    return tuple(int(c) for c in scalars)
+
+
 def add_scaled(s, ds, prod, dp, rank, beta=1, alpha=1):
     """``beta * s + alpha * prod`` with batch dims first; ``s`` ignored when ``beta == 0``."""
+    beta, alpha = _scalars_of(prod, beta, alpha)
     if ds is not None:
         s = pad_to_rank(to_front(s, ds), rank)
     prod = to_front(prod, dp)
@@ -215,6 +225,11 @@ def addr(func, args, dims, kwargs):
     ds, d1, d2 = dims
     _check_ranks(func, args, dims, ((0, 1, 2), (1,), (1,)))
     beta, alpha = kwargs.get("beta", 1), kwargs.get("alpha", 1)
+    if not (v1.is_floating_point() or v1.is_complex()):  # as the kernel checks
+        for name, c in (("beta", beta), ("alpha", alpha)):
+            if isinstance(c, float):
+                raise RuntimeError(f"For integral input tensors, argument {name} must not be "
+                                   "a floating point number.")
     s = pad_to_rank(to_front(s, ds), 2) if ds is not None else s
     col = to_front(v1, d1).unsqueeze(-1)  # (B, n, 1) or (n, 1)
     row = to_front(v2, d2).unsqueeze(-2)  # (B, 1, m) or (1, m)
