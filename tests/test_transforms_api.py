@@ -1701,3 +1701,29 @@ def test_weighted_l1_loss_reaches_a_subclass_with_its_weight():
     assert seen[0] is w
     torch.testing.assert_close(out.as_subclass(torch.Tensor), F.l1_loss(x, torch.zeros(3),
                                                                          weight=w))
+
+
+COMPLEX = torch.tensor([1 + 2j, 3 - 1j])
+
+
+@pytest.mark.parametrize(("api", "make_call", "what"), [
+    ("jacrev", lambda lib: lib.jacrev(lambda z: z * z)(COMPLEX), "inputs"),
+    ("jacrev", lambda lib: lib.jacrev(lambda x: x * COMPLEX)(X[:2]), "outputs"),
+    ("jacfwd", lambda lib: lib.jacfwd(lambda z: z * z)(COMPLEX), "inputs"),
+    ("jacfwd", lambda lib: lib.jacfwd(lambda x: x * COMPLEX)(X[:2]), "outputs"),
+    ("hessian", lambda lib: lib.hessian(lambda z: z.abs().sum())(COMPLEX), "inputs"),
+])
+def test_jacobians_of_complex_functions_are_refused_as_in_torch_func(api, make_call, what):
+    # reverse mode would give the conjugate of forward mode's Jacobian (it did: jacrev of
+    # z * z was diag(2 conj(z)), jacfwd's diag(2z)); torch.func's hessian names jacfwd
+    assert_same_error(make_call, f"{api}: Expected all {what} to be real")
+
+
+def test_jacobians_through_complex_intermediates_match_torch_func():
+    def f(x):
+        return (x * COMPLEX).exp().abs()
+
+    x = X[:2]
+    assert_tree_close(tl.jacrev(f)(x), tf.jacrev(f)(x))
+    assert_tree_close(tl.jacfwd(f)(x), tf.jacfwd(f)(x))
+    assert_tree_close(tl.hessian(lambda x: f(x).sum())(x), tf.hessian(lambda x: f(x).sum())(x))

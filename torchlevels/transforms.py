@@ -57,6 +57,16 @@ def _inputs(api: str, flat: list, dtype_error: type[Exception] = RuntimeError) -
             )
 
 
+def _refuse_complex(api: str, flat: list, what: str) -> None:
+    """Jacobians and Hessians are of real functions only, as torch.func's are (with its
+    error): of a complex function, reverse mode would give the conjugate Jacobian and
+    forward mode the Jacobian itself."""
+    for idx, t in enumerate(flat):
+        if isinstance(t, torch.Tensor) and t.is_complex():
+            raise RuntimeError(f"{api}: Expected all {what} to be real but received complex "
+                               f"tensor at flattened input idx: {idx}")
+
+
 def _needs_graph(level: GradLevel, inputs: list, grad_enabled: bool) -> bool:
     """Whether the backward pass itself must be recorded (higher order or autograd outside).
 
@@ -350,6 +360,7 @@ def jacrev(func: Callable, argnums: int | tuple[int, ...] = 0, *, has_aux: bool 
         argnums_ = _normalized(argnums, args)
         diff = _slice_argnums(args, argnums_)
         flat_in, in_spec = tree_flatten(diff)
+        _refuse_complex("jacrev", flat_in, "inputs")
 
         def partial(*diff_args):
             return func(*_replace_args(args, diff_args, argnums_), **kwargs)
@@ -357,6 +368,7 @@ def jacrev(func: Callable, argnums: int | tuple[int, ...] = 0, *, has_aux: bool 
         result = vjp(partial, *diff, has_aux=has_aux)
         out, vjp_fn = result[0], result[1]
         flat_out, out_spec = tree_flatten(out)
+        _refuse_complex("jacrev", flat_out, "outputs")
         pull = vmap(lambda *cts: vjp_fn(tree_unflatten(list(cts), out_spec)),
                     chunk_size=chunk_size)
         try:
@@ -444,6 +456,7 @@ def jacfwd(func: Callable, argnums: int | tuple[int, ...] = 0, has_aux: bool = F
         diff = _slice_argnums(args, argnums_)
         flat_in, in_spec = tree_flatten(diff)
         _inputs("jacfwd", flat_in, ValueError)
+        _refuse_complex("jacfwd", flat_in, "inputs")
 
         def partial(*diff_args):
             return func(*_replace_args(args, diff_args, argnums_), **kwargs)
@@ -461,6 +474,7 @@ def jacfwd(func: Callable, argnums: int | tuple[int, ...] = 0, has_aux: bool = F
         out, columns = results[0], results[1]
         flat_cols, out_spec = tree_flatten(columns)  # each (total in numel, *output.shape)
         primal = tree_map(lambda o: o[0], out)
+        _refuse_complex("jacfwd", tree_flatten(primal)[0], "outputs")
         sizes = [t.numel() for t in flat_in]
         blocks = []
         for col, o in zip(flat_cols, tree_flatten(primal)[0]):
@@ -496,7 +510,9 @@ def hessian(func: Callable, argnums: int | tuple[int, ...] = 0) -> Callable:
 
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
-        _inputs("hessian", tree_flatten(_slice_argnums(args, argnums))[0], ValueError)
+        flat = tree_flatten(_slice_argnums(args, argnums))[0]
+        _inputs("hessian", flat, ValueError)
+        _refuse_complex("hessian", flat, "inputs")
         return jac(*args, **kwargs)
 
     return eager(accepts_dims(wrapper), "hessian")
