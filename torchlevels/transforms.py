@@ -473,11 +473,11 @@ def jacfwd(func: Callable, argnums: int | tuple[int, ...] = 0, has_aux: bool = F
             results = vmap(push, randomness=randomness)(*basis)
         out, columns = results[0], results[1]
         flat_cols, out_spec = tree_flatten(columns)  # each (total in numel, *output.shape)
-        primal = tree_map(lambda o: o[0], out)
-        _refuse_complex("jacfwd", tree_flatten(primal)[0], "outputs")
+        flat_out = tree_flatten(tree_map(lambda o: o[0], out))[0]
+        _refuse_complex("jacfwd", flat_out, "outputs")
         sizes = [t.numel() for t in flat_in]
         blocks = []
-        for col, o in zip(flat_cols, tree_flatten(primal)[0]):
+        for col, o in zip(flat_cols, flat_out):
             pieces = col[: sum(sizes)].split(sizes)
             per_input = [p.movedim(0, -1).reshape(tuple(o.shape) + tuple(t.shape))
                          for p, t in zip(pieces, flat_in)]
