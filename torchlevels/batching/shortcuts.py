@@ -809,7 +809,7 @@ _declare(_along_first_dim, *torch_and_tensor(
 _declare(along_dim(2, 0), torch.split, torch.Tensor.split, torch.chunk, torch.Tensor.chunk)
 _declare(along_dim(1, 0), torch.unbind, torch.Tensor.unbind)
 _declare(along_dim(2, 1), F.normalize)
-_declare(along_dim(2, _ALL), torch.linalg.vector_norm)
+_declare(_vector_norm, torch.linalg.vector_norm)
 _declare(norm, torch.norm, torch.Tensor.norm)
 _declare(squeeze, torch.squeeze, torch.Tensor.squeeze)
 _declare(normalized_trailing, F.layer_norm, F.rms_norm)
