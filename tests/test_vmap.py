@@ -80,6 +80,22 @@ def test_out_dims_and_unbatched_outputs():
     same(lambda x: (x, torch.ones(2)), x, out_dims=(0, None))
 
 
+@pytest.mark.parametrize("out_dims", [2, -3, 5])
+def test_out_dims_out_of_range_raise(out_dims):
+    x = torch.randn(4, 3)
+    same_error(lambda x: x * 2, x, out_dims=out_dims, match=rf"out_dims={out_dims} .*\[-2, 1\]")
+    # an unbatched output: torch.func's expand fails for some such out_dims, so no same_error
+    with pytest.raises(IndexError, match=rf"out_dims={out_dims} .*shape \(2,\)"):
+        vmap(lambda x: torch.ones(2), out_dims=out_dims)(x)
+
+
+def test_unbatched_output_at_a_later_out_dim():
+    x, w = torch.randn(4, 3), torch.randn(2)
+    for out_dims in (1, -1):  # torch.func's expand fails here: compare with the stacked loop
+        expected = torch.stack([w for _ in x], dim=out_dims)
+        assert_close(vmap(lambda x: w, out_dims=out_dims)(x), expected)
+
+
 def test_batch_size_mismatch():
     same_error(torch.add, torch.randn(3), torch.randn(4), match=r"sizes \[3, 4\]")
 

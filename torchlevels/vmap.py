@@ -97,7 +97,7 @@ class BatchLevel(Level):
         if type(tensor) is not cls:
             if out_dim is None or not isinstance(tensor, torch.Tensor):
                 return tensor
-            out_dim %= tensor.dim() + 1
+            out_dim = _checked_out_dim(out_dim, tensor)
             sizes = [-1] * (tensor.dim() + 1)
             sizes[out_dim] = self.batch_size
             return tensor.unsqueeze(out_dim).expand(sizes)
@@ -107,7 +107,7 @@ class BatchLevel(Level):
                 "only unbatched outputs may use out_dims=None"
             )
         inner = tensor._inner
-        if out_dim % inner.dim() == tensor._bdim:
+        if _checked_out_dim(out_dim, tensor) == tensor._bdim:
             return inner  # as torch.func does: no identity permute in eager or in a trace
         return inner.movedim(tensor._bdim, out_dim)
 
@@ -455,6 +455,19 @@ def _flat_inputs(func, in_dims, args) -> tuple[list, list, Any, int]:
             f"got sizes {sizes} for the mapped dimension"
         )
     return flat_args, flat_dims, spec, sizes[0]
+
+
+def _checked_out_dim(out_dim: int, example: torch.Tensor) -> int:
+    """``out_dim`` counted from the front of the batched output whose examples are shaped
+    as ``example``; an error naming vmap's argument if it is out of range."""
+    rank = example.dim() + 1
+    if not -rank <= out_dim < rank:
+        raise IndexError(
+            f"vmap: out_dims={out_dim} is out of range for an output of shape "
+            f"{tuple(example.shape)} per example: with the batch dim it has {rank} dims, so "
+            f"out_dim must be in [{-rank}, {rank - 1}]"
+        )
+    return out_dim % rank
 
 
 def _broadcast_prefix(prefix: Any, spec: TreeSpec) -> list | None:
