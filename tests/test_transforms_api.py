@@ -282,6 +282,31 @@ def test_vjp_and_jvp_of_non_tensor_output_raise():
     assert_same_error(lambda lib: lib.jvp(lambda a: (a, 3), (X,), (Y,)), "only")
 
 
+@pytest.mark.parametrize("api", ["vjp", "jacrev"])
+@pytest.mark.parametrize("out", [lambda a: a > 0, lambda a: (a * 2, a.argmax())],
+                         ids=["bool", "int in a tuple"])
+def test_vjp_and_jacrev_of_integer_output_raise(api, out):
+    call = {"vjp": lambda lib: lib.vjp(out, X), "jacrev": lambda lib: lib.jacrev(out)(X)}[api]
+    assert_same_error(call, "must be floating-point or complex")
+
+
+def test_vjp_fn_passes_retain_graph_and_create_graph_on():
+    x = X.clone().requires_grad_()
+    f = lambda a: (a.sin() * a).exp()
+    for lib in (tl, tf):
+        _, fn = lib.vjp(f, x)
+        (once,) = fn(Y, create_graph=False)
+        assert not once.requires_grad
+        (first,) = fn(Y, create_graph=True)  # differentiable in x, like torch.func's
+        (second,) = torch.autograd.grad(first.sum(), x, retain_graph=True)
+        fn(Y, retain_graph=False)
+        with pytest.raises(RuntimeError, match="second time"):
+            fn(Y)
+        if lib is tl:
+            ours = (once, first, second)
+    assert_tree_close(ours, (once, first, second))
+
+
 INT = torch.arange(3)
 
 

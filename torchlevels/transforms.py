@@ -192,6 +192,9 @@ def vjp(func: Callable, *primals: Any, has_aux: bool = False) -> tuple:
 
     ``cotangents`` has the structure of ``func``'s output; ``vjp_fn`` returns a tuple with
     one entry per primal. With ``has_aux=True`` the result is ``(output, vjp_fn, aux)``.
+    As torch.func's, ``vjp_fn`` also takes ``retain_graph`` (default True: it may be called
+    again) and ``create_graph`` (default: record the backward pass where grad mode is on
+    and something could differentiate it), passed on to ``torch.autograd.grad``.
 
     Example::
 
@@ -214,6 +217,11 @@ def vjp(func: Callable, *primals: Any, has_aux: bool = False) -> tuple:
                     "vjp(f, *primals): Expected f to be a function that has only Tensor "
                     f"outputs, got {type(o)}"
                 )
+            if not (o.is_floating_point() or o.is_complex()):
+                raise RuntimeError(
+                    "vjp(f, ...): All outputs of f must be floating-point or complex "
+                    f"Tensors, got Tensor with dtype {o.dtype}"
+                )
         keep = _needs_graph(G._level, flat, grad_enabled)
         out_inners = [G.unwrap(o) for o in flat_out]
         leaves = [w._inner for w in wrapped]
@@ -223,7 +231,8 @@ def vjp(func: Callable, *primals: Any, has_aux: bool = False) -> tuple:
     inputs_require_grad = G._level.captures_tracked or any(map(requires_grad_within, flat))
 
     @eager
-    def vjp_fn(cotangents: Any) -> tuple:
+    def vjp_fn(cotangents: Any, retain_graph: bool = True,
+               create_graph: bool | None = None) -> tuple:
         flat_ct, ct_spec = tree_flatten(cotangents)
         if ct_spec != out_spec:
             raise RuntimeError(
@@ -233,13 +242,14 @@ def vjp(func: Callable, *primals: Any, has_aux: bool = False) -> tuple:
         tracked = [(o, c) for o, c in zip(out_inners, flat_ct) if o.requires_grad]
         grads = [None] * len(leaves)
         if tracked:
-            create_graph = torch.is_grad_enabled() and (
-                inputs_require_grad or bool(autodiff_classes(innermost()))
-                or any(c.requires_grad for _, c in tracked)
-            )
+            if create_graph is None:  # torch.func's default, grad mode, where it matters
+                create_graph = torch.is_grad_enabled() and (
+                    inputs_require_grad or bool(autodiff_classes(innermost()))
+                    or any(c.requires_grad for _, c in tracked)
+                )
             grads = list(own_grad(
-                [o for o, _ in tracked], leaves, [c for _, c in tracked], retain_graph=True,
-                create_graph=create_graph, allow_unused=True,
+                [o for o, _ in tracked], leaves, [c for _, c in tracked],
+                retain_graph=retain_graph, create_graph=create_graph, allow_unused=True,
             ))
         grads = [torch.zeros_like(t) if g is None else g for g, t in zip(grads, flat)]
         return tuple(tree_unflatten(grads, spec))
