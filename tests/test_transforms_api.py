@@ -402,6 +402,16 @@ def test_linearize_pytrees():
     assert_tree_close((out, fn(TREE_TANGENT)), (out_f, fn_f(TREE_TANGENT)))
 
 
+def test_linearize_is_differentiable_in_its_primals_as_jvp_is():
+    # torch.func's linearize traces its primals as constants, so autograd outside sees
+    # only the tangent's path; the reference is torch.func.jvp, which sees both
+    f = lambda b: b.sin() * b
+    x = X.clone().requires_grad_()
+    (ours,) = torch.autograd.grad(tl.linearize(f, x)[1](x).sum(), x)
+    (theirs,) = torch.autograd.grad(tf.jvp(f, (x,), (x,))[1].sum(), x)
+    assert_tree_close(ours, theirs)
+
+
 def test_linearize_under_vmap_of_tangents():
     _, fn = tl.linearize(lambda a: (a ** 3).sin(), X)
     _, fn_f = tf.linearize(lambda a: (a ** 3).sin(), X)
