@@ -24,6 +24,8 @@ def our_rows(table) -> list[tuple]:
 def same_value(a, b, rel: float = 1e-9) -> bool:
     if a is None or b is None:
         return a is None and b is None
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True  # SQL's NaN equals NaN
     if isinstance(a, float) or isinstance(b, float):
         return math.isclose(float(a), float(b), rel_tol=rel, abs_tol=1e-9)
     if isinstance(a, datetime.datetime):
@@ -37,8 +39,8 @@ def assert_same_rows(ours: list[tuple], theirs: list[tuple], ordered: bool = Tru
     """Every row equal (floats to 1e-9 relative); unordered compares sorted rows."""
     assert len(ours) == len(theirs), f"{len(ours)} rows, DuckDB has {len(theirs)}"
     if not ordered:
-        key = lambda row: tuple((v is None, str(v) if not isinstance(v, float) else
-                                 round(v, 6)) for v in row)
+        key = lambda row: tuple((v is None, str(v) if not isinstance(v, float) or math.isnan(v)
+                                 else round(v, 6)) for v in row)
         ours, theirs = sorted(ours, key=key), sorted(theirs, key=key)
     for k, (a, b) in enumerate(zip(ours, theirs)):
         assert len(a) == len(b), f"row {k}: {len(a)} columns, DuckDB has {len(b)}"

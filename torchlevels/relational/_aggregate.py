@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from torchlevels.relational._column import Column, Grouping, _device, _rows
+from torchlevels.relational._floats import from_order_key, order_key
 from torchlevels.relational._fuse import SMALL_GROUPS, Expr, evaluate, reduce, reduce_counted
 
 
@@ -75,7 +76,7 @@ def reduce_all(col: Column, how: str):
     if how == "count":
         return count, None
     if how == "count_distinct":
-        kept = values if valid is None else values[valid]
+        kept = _distinct_key(values if valid is None else values[valid])
         return torch.tensor(torch.unique(kept).shape[0], device=values.device), None
     null = None if int(count) > 0 else torch.tensor(False, device=values.device)
     if how in ("sum", "mean"):
@@ -85,6 +86,8 @@ def reduce_all(col: Column, how: str):
     if null is not None:
         return values.new_zeros(()), null
     kept = values if valid is None else values[valid]
+    if how == "min" and kept.is_floating_point():  # SQL's: NaN only if every value is
+        return from_order_key(order_key(kept).amin(), kept.dtype), None
     return (kept.amin() if how == "min" else kept.amax()), None
 
 
@@ -104,7 +107,7 @@ def reduce_groups(col: Column, groups: Grouping, how: str):
     if how == "count":
         return n_valid, None
     if how == "count_distinct":
-        rank = torch.unique(values, return_inverse=True)[1]
+        rank = torch.unique(_distinct_key(values), return_inverse=True)[1]
         base = int(rank.max()) + 1 if rank.numel() else 1
         pairs = torch.unique(gid * base + rank)  # (group, value) pairs, each once
         per_group = torch.div(pairs, base, rounding_mode="floor")
@@ -120,7 +123,16 @@ def reduce_groups(col: Column, groups: Grouping, how: str):
         if how == "mean":
             total = total / n_valid.clamp(min=1)
         return total, None if null is None else ~null
-    reduce_op = "amin" if how == "min" else "amax"
-    out = torch.zeros(k + 1, dtype=values.dtype, device=values.device)
-    out = out.scatter_reduce_(0, gid, values, reduce_op, include_self=False)[:k]
+    float_min = how == "min" and values.is_floating_point()  # SQL's: NaN only if all are
+    keys = order_key(values) if float_min else values
+    out = torch.zeros(k + 1, dtype=keys.dtype, device=values.device)
+    out = out.scatter_reduce_(0, gid, keys, "amin" if how == "min" else "amax",
+                              include_self=False)[:k]
+    if float_min:
+        out = from_order_key(out, values.dtype)
     return out, None if null is None else ~null
+
+
+def _distinct_key(values: torch.Tensor) -> torch.Tensor:
+    """``values`` as keys that are equal where SQL counts them as one value (all NaNs)."""
+    return order_key(values) if values.is_floating_point() else values

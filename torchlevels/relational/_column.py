@@ -24,6 +24,7 @@ import pyarrow.compute as pc
 import torch
 
 from torchlevels.dim import Dim
+from torchlevels.relational._floats import comparison
 from torchlevels.relational._fuse import OPS, Expr, evaluate
 
 if TYPE_CHECKING:
@@ -292,10 +293,12 @@ class Column:
             if rows is not None and (not compare or left.kind != "str"):
                 if compare:
                     _comparable(left, right, symbol)  # raises on kinds that do not compare
+                    op = comparison(op, left.data, right.data)
                 return rows._lazy(Expr(op, (left.data, right.data)), kind, name)
             a, b = _aligned(left, right, symbol)
             if compare:
                 a, b = _comparable(a, b, symbol)
+                op = comparison(op, a.values, b.values)
             return _combine(a, b, OPS[op](a.values, b.values), kind, name)
         if compare:
             return _compare_const(self, other, op, symbol, flip, name)
@@ -636,8 +639,9 @@ def _compare_const(col: Column, value, op, symbol, flip, name) -> Column:
         return col._on_dictionary(arrow_op(*args), name)
     c = date_to_days(value) if kind == "date" else value
     if col.valid is None and not col._is_scalar():
-        return col._lazy(Expr(op, (c, col.data) if flip else (col.data, c)), "bool", name)
-    fn = OPS[op]
+        args = (c, col.data) if flip else (col.data, c)
+        return col._lazy(Expr(comparison(op, *args), args), "bool", name)
+    fn = OPS[comparison(op, col.values, c)]
     if flip:
         values = fn(torch.as_tensor(c, device=col.values.device), col.values)
     else:

@@ -25,6 +25,8 @@ import warnings
 
 import torch
 
+from torchlevels.relational._floats import COMPARISONS, from_order_key, order_key
+
 FUSE_MIN_ROWS = 1 << 20  # the fewest rows worth a compiled kernel
 SMALL_GROUPS = 16  # per-group reductions over at most this many groups fuse (one pass)
 
@@ -39,7 +41,8 @@ OPS = {
     "add": operator.add, "sub": operator.sub, "mul": operator.mul, "truediv": _true_divide,
     "neg": operator.neg, "invert": operator.invert, "and": operator.and_, "or": operator.or_,
     "lt": torch.lt, "le": torch.le, "gt": torch.gt, "ge": torch.ge, "eq": torch.eq,
-    "ne": torch.ne, "lookup": lambda codes, table: table[codes],
+    "ne": torch.ne, **COMPARISONS,  # the latter for NaN, which SQL orders above all
+    "lookup": lambda codes, table: table[codes],
     "select": torch.where,  # select(mask, a, b): a where mask, else b
     "radix": lambda code, base, digit: code * base + digit,
 }
@@ -123,6 +126,8 @@ def _reduce_one(values: torch.Tensor, keep, how: str):
         if keep is not None:
             return torch.count_nonzero(keep)
         return torch.tensor(values.shape[0], device=values.device)
+    if how == "min" and values.is_floating_point():  # SQL's: NaN only if every value is
+        return from_order_key(_reduce_one(order_key(values), keep, how), values.dtype)
     if keep is not None:
         values = torch.where(keep, values, _identity(values, how))
     if how == "sum":

@@ -15,6 +15,7 @@ import torch
 
 from torchlevels.dim import Dim
 from torchlevels.relational._column import Column, Grouping
+from torchlevels.relational._floats import from_order_key, order_key
 from torchlevels.relational._fuse import SMALL_GROUPS, Expr, evaluate, reduce
 from torchlevels.relational._table import Rows, Table, _unknown
 from torchlevels.relational._where import Selection
@@ -213,9 +214,9 @@ def _codes(key: Column) -> _KeyCodes:
         codes, r, values = v, len(key.dictionary), lambda c: c
     elif key.kind == "bool":
         codes, r, values = v.long(), 2, lambda c: c == 1
-    elif key.kind == "float":
-        uniq, codes = torch.unique(v, return_inverse=True)
-        r, values = uniq.shape[0], lambda c: uniq[c]
+    elif key.kind == "float":  # one group for all NaNs, one for both zeros, as in SQL
+        uniq, codes = torch.unique(order_key(v), return_inverse=True)
+        r, values = uniq.shape[0], lambda c: from_order_key(uniq[c], v.dtype)
     else:
         lo = int(v.min()) if v.numel() else 0
         codes = v.long() - lo

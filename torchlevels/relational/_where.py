@@ -28,6 +28,7 @@ from torchlevels.relational._column import (
     _comparable,
     _rows,
 )
+from torchlevels.relational._floats import order_key
 from torchlevels.relational._fuse import Expr, evaluate, evaluate_at, reduce
 from torchlevels.relational._table import Rows
 
@@ -330,8 +331,11 @@ def _match(probe: torch.Tensor, probe_mask: torch.Tensor | None, build: torch.Te
     build keys (a join to a primary key) the table holds each key's build position, and
     every probe row looks itself up (no gather of the filtered probe keys); else it holds
     where each key's run starts in the build rows sorted by key (a counting sort). Other
-    keys are sorted and binary-searched (a sort-merge join)."""
-    if not build.is_floating_point():
+    keys are sorted and binary-searched (a sort-merge join). Float keys are equal as SQL
+    has them equal (NaN to NaN, ``-0.0`` to ``0.0``): as their order keys, integers."""
+    if build.is_floating_point():
+        build, probe = order_key(build), order_key(probe)
+    else:
         (build_lo, build_hi), (probe_lo, probe_hi) = _min_max(build), _min_max(probe)
         lo = min(0, build_lo, probe_lo)
         span = max(build_hi, probe_hi) - lo + 1
