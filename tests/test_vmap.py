@@ -1,6 +1,7 @@
 """vmap's public semantics, each compared with torch.func.vmap on the same inputs."""
 
 import functools
+import itertools
 import warnings
 
 import pytest
@@ -275,6 +276,37 @@ def test_type_promotion_with_batched_scalars():
     assert out.dtype == torch.float32
     out = same(lambda s: s * torch.tensor(2.0, dtype=torch.float64), torch.randn(4))
     assert out.dtype == torch.float64  # two 0-dim tensors promote as usual
+
+
+_DTYPES = [torch.bool, torch.uint8, torch.int64, torch.float16, torch.float32, torch.float64,
+           torch.complex64, torch.complex128]
+
+
+def _values(dtype, shape):
+    if dtype == torch.bool:
+        return torch.rand(shape) > 0.5
+    if dtype.is_floating_point or dtype.is_complex:
+        return torch.randn(shape, dtype=dtype)
+    return torch.randint(1, 5, shape, dtype=dtype)
+
+
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
+@pytest.mark.parametrize("b_dtype", _DTYPES)
+@pytest.mark.parametrize("a_dtype", _DTYPES)
+def test_batched_scalars_promote_as_each_example_does(a_dtype, b_dtype):
+    # float64 "scalar" * complex64 vector is complex64, and a float16 "scalar" plus a
+    # complex64 0-dim tensor is complex64: both came out one dtype off (torch.func: right)
+    shapes = [((), ()), ((), (4,)), ((4,), ())]
+    for (sa, sb), batched in itertools.product(shapes, ["a", "b", "ab"]):
+        a = _values(a_dtype, (3, *sa) if "a" in batched else sa)
+        b = _values(b_dtype, (3, *sb) if "b" in batched else sb)
+        in_dims = (0 if "a" in batched else None, 0 if "b" in batched else None)
+        for f in (torch.add, torch.mul, lambda x, y: torch.where(torch.tensor(True), x, y)):
+            expected = torch.stack([f(a[i] if "a" in batched else a,
+                                      b[i] if "b" in batched else b) for i in range(3)])
+            out = vmap(f, in_dims=in_dims)(a, b)
+            assert out.dtype == expected.dtype, (sa, sb, batched)
+            assert_close(out, expected)
 
 
 def test_chunk_size_matches_unchunked():

@@ -83,7 +83,9 @@ def _promote_batched_scalars(func, phys, args, dims):
     Physically a batched 0-dim tensor has a dim, so it would take part in type promotion
     as a dimensioned tensor (float64 "scalar" + float32 vector giving float64). The
     result dtype, not the computation dtype (float32 for bfloat16 inputs): the kernel
-    computes in that itself. An in-place op's ``self`` keeps its dtype: it is written.
+    computes in that itself. A float "scalar" in a complex result takes the result's real
+    dtype (float64 "scalar" * complex64 vector is complex64). An in-place op's ``self``
+    keeps its dtype: it is written.
     """
     logical = [
         torch.empty(a.shape[:d] + a.shape[d + 1 :], dtype=a.dtype, device="meta")
@@ -94,16 +96,21 @@ def _promote_batched_scalars(func, phys, args, dims):
     _, dtype = elementwise_dtypes(*logical, type_promotion_kind=DEFAULT_PROMOTION)
     written = writes_first_argument(func)
     return [
-        p.to(dtype) if (d is not None and a.dim() == 1 and _same_category(p.dtype, dtype)
-                        and not (written and k == 0)) else p
+        _as_scalar_of(p, dtype) if (d is not None and a.dim() == 1
+                                    and not (written and k == 0)) else p
         for k, (p, a, d) in enumerate(zip(phys, args, dims))
     ]
 
 
-def _same_category(a: torch.dtype, b: torch.dtype) -> bool:
-    return a != b and a != torch.bool and (a.is_floating_point, a.is_complex) == (
-        b.is_floating_point, b.is_complex
-    )
+def _as_scalar_of(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Batched 0-dim ``p`` in the dtype of its category that promotes to ``dtype``."""
+    if p.dtype == dtype or p.dtype == torch.bool:
+        return p
+    if (p.is_floating_point(), p.is_complex()) == (dtype.is_floating_point, dtype.is_complex):
+        return p.to(dtype)
+    if p.is_floating_point() and dtype.is_complex:
+        return p.to(dtype.to_real())
+    return p
 
 
 def _is_pointwise(func) -> bool:
