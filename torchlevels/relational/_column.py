@@ -298,7 +298,7 @@ class Column:
             a, b = _aligned(left, right, symbol)
             if compare:
                 a, b = _comparable(a, b, symbol)
-                op = comparison(op, a.values, b.values)
+                op = f"{op}_nan"  # SQL's order of floats (the same as PyTorch's for others)
             return _combine(a, b, OPS[op](a.values, b.values), kind, name)
         if compare:
             return _compare_const(self, other, op, symbol, flip, name)
@@ -641,7 +641,7 @@ def _compare_const(col: Column, value, op, symbol, flip, name) -> Column:
     if col.valid is None and not col._is_scalar():
         args = (c, col.data) if flip else (col.data, c)
         return col._lazy(Expr(comparison(op, *args), args), "bool", name)
-    fn = OPS[comparison(op, col.values, c)]
+    fn = OPS[f"{op}_nan"]
     if flip:
         values = fn(torch.as_tensor(c, device=col.values.device), col.values)
     else:

@@ -99,19 +99,19 @@ COMPARISONS = {"lt_nan": _lt, "le_nan": _le, "gt_nan": _gt, "ge_nan": _ge, "eq_n
 
 
 def comparison(op: str, a: Any, b: Any) -> str:
-    """The comparison to record for ``a op b`` (``op`` is ``"lt"``, ``"eq"``...): PyTorch's
-    own where neither side holds a NaN, as in most columns (the same answer in fewer
-    kernels), else its SQL form ``op + "_nan"``. A column's tensor is checked once while it
-    lives unchanged; an expression's values are not known yet, so may hold NaN."""
+    """The comparison to record in an expression for ``a op b`` (``op`` is ``"lt"``,
+    ``"eq"``...): PyTorch's own where neither side holds a NaN, as in most columns (the
+    same answer in fewer kernels), else its SQL form ``op + "_nan"``. A column's tensor is
+    checked once while it lives unchanged; an expression's values are not known yet."""
     return f"{op}_nan" if _may_hold_nan(a) or _may_hold_nan(b) else op
 
 
 def _may_hold_nan(x: Any) -> bool:
     if isinstance(x, torch.Tensor):
         return x.is_floating_point() and _holds_nan(x)
-    if isinstance(x, float | int | bool):
-        return isinstance(x, float) and math.isnan(x)
-    return True  # an expression
+    if isinstance(x, float):
+        return math.isnan(x)
+    return not isinstance(x, int)  # an int or bool constant never; an expression may
 
 
 _HOLDS_NAN: dict[int, tuple] = {}
