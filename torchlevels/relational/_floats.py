@@ -70,28 +70,34 @@ def _ne(a, b):
     return out if na is None or nb is None else out & _not(na & nb)
 
 
-def _lt(a, b):  # true where only b is NaN
-    out, na, nb = torch.lt(a, b), _nan(a), _nan(b)
-    if nb is None:
+def _lt(a, b):
+    return _nan_above(torch.lt(a, b), _nan(b), _nan(a))
+
+
+def _gt(a, b):
+    return _nan_above(torch.gt(a, b), _nan(a), _nan(b))
+
+
+def _le(a, b):
+    return _or_nan(torch.le(a, b), _nan(b))
+
+
+def _ge(a, b):
+    return _or_nan(torch.ge(a, b), _nan(a))
+
+
+def _nan_above(out, high: Any, low: Any):
+    """IEEE's ``<`` or ``>`` ``out``, also true where the side that should be greater is
+    NaN (``high``) and the other is not (``low``: where it is NaN)."""
+    if high is None:
         return out
-    return out | nb if na is None else out | (nb & _not(na))
+    return out | (high if low is None else high & _not(low))
 
 
-def _le(a, b):  # true wherever b is NaN
-    out, nb = torch.le(a, b), _nan(b)
-    return out if nb is None else out | nb
-
-
-def _gt(a, b):  # true where only a is NaN
-    out, na, nb = torch.gt(a, b), _nan(a), _nan(b)
-    if na is None:
-        return out
-    return out | na if nb is None else out | (na & _not(nb))
-
-
-def _ge(a, b):  # true wherever a is NaN
-    out, na = torch.ge(a, b), _nan(a)
-    return out if na is None else out | na
+def _or_nan(out, nan: Any):
+    """IEEE's ``<=`` or ``>=`` ``out``, also true where the side meant to be greater is
+    NaN (NaN is at least anything)."""
+    return out if nan is None else out | nan
 
 
 COMPARISONS = {"lt_nan": _lt, "le_nan": _le, "gt_nan": _gt, "ge_nan": _ge, "eq_nan": _eq,
