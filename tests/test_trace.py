@@ -167,6 +167,43 @@ def test_compile_traces_once_per_signature():
     assert len(traces) == len(compiled.cache) == 4
 
 
+def test_compile_traces_again_when_a_module_switches_between_train_and_eval():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5), torch.nn.Tanh())
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def grads(lib):  # the module is captured, not an argument
+        return lib.grad(lambda p, x: lib.functional_call(model, p, (x,)).square().sum())
+
+    compiled = tl.compile(grads(tl))
+    x = torch.randn(8, 4)
+    for mode in ["train", "eval", "train", "eval"]:
+        getattr(model, mode)()
+        compiled(params, x)  # traces the first time in each mode (drawing numbers too)
+        torch.manual_seed(1)
+        got = compiled(params, x)
+        torch.manual_seed(1)
+        torch.testing.assert_close(got, grads(tf)(params, x))
+    assert len(compiled.cache) == 1 and len(next(iter(compiled.cache.values()))) == 2
+
+
+def test_compile_keys_nan_arguments_as_one_value_and_refuses_unhashable_ones():
+    traces = []
+
+    def f(x, fill):
+        traces.append(1)
+        return tl.vmap(lambda x: x.clamp(max=0) + fill)(x)
+
+    compiled = tl.compile(f)
+    x = torch.randn(3, 2)
+    for _ in range(3):  # a new NaN object each time: one trace, not one per call
+        torch.testing.assert_close(compiled(x, float("nan")), x.clamp(max=0) + float("nan"),
+                                   equal_nan=True)
+    assert len(traces) == 1
+    with pytest.raises(TypeError, match="neither a tensor nor hashable"):
+        compiled(x, {1.0})
+
+
 def test_compile_replays_random_ops_as_eager_draws_them():
     f = tl.vmap(lambda x: F.dropout(x, 0.5), randomness="different")
     compiled = tl.compile(f)

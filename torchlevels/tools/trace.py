@@ -9,12 +9,16 @@ the graph skips that Python, which is where the per-op overhead of levels goes.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.fx import GraphModule
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from torchlevels._level import LevelTensor
@@ -128,12 +132,13 @@ def _data_dependent(func: Callable, op: str) -> str:
 
 
 class CompiledFunction:
-    """``compile(f)``: one trace per input signature, cached and replayed."""
+    """``compile(f)``: traces cached per input signature, each kept with the training flags
+    of the modules it ran, and replayed while those flags hold."""
 
     def __init__(self, func: Callable, backend: str | Callable | None) -> None:
         self.func = func
         self.backend = backend
-        self.cache: dict[Any, tuple[Callable, Any, list[int]]] = {}
+        self.cache: dict[Any, list[_Trace]] = {}
         wraps_function(func, self)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -142,14 +147,51 @@ class CompiledFunction:
         else:
             flat, spec = tree_flatten((args, kwargs))
         key = (spec, torch.is_grad_enabled(), *(_signature(a) for a in flat))
-        entry = self.cache.get(key)
+        traces = self.cache.setdefault(key, [])
+        entry = next((t for t in traces if t.holds()), None)
         if entry is None:
-            gm, out_spec = _trace(self.func, args, kwargs)
+            with _modules_run() as modules:
+                gm, out_spec = _trace(self.func, args, kwargs)
             tensors = [i for i, a in enumerate(flat) if isinstance(a, torch.Tensor)]
             run = _backend(gm, self.backend, [flat[i] for i in tensors])
-            entry = self.cache[key] = (run, out_spec, tensors)
-        run, out_spec, tensors = entry
-        return tree_unflatten(run(*(flat[i] for i in tensors)), out_spec)
+            entry = _Trace(run, out_spec, tensors, modules)
+            traces.append(entry)
+        return tree_unflatten(entry.run(*(flat[i] for i in entry.tensors)), entry.out_spec)
+
+
+@dataclass
+class _Trace:
+    """A replayable trace, and the modules whose ``training`` flag it was traced with
+    (train and eval take different branches: dropout, batch norm)."""
+
+    run: Callable
+    out_spec: Any
+    tensors: list[int]  # which flattened arguments are the graph's inputs
+    modules: list[tuple[weakref.ref, bool]]
+
+    def holds(self) -> bool:
+        for ref, training in self.modules:
+            module = ref()
+            if module is None or module.training is not training:
+                return False
+        return True
+
+
+@contextlib.contextmanager
+def _modules_run() -> Iterator[list[tuple[weakref.ref, bool]]]:
+    """The modules called inside the block, each once, with its ``training`` flag."""
+    seen: dict[int, tuple[weakref.ref, bool]] = {}
+
+    def record(module: torch.nn.Module, args: Any) -> None:
+        seen.setdefault(id(module), (weakref.ref(module), module.training))
+
+    handle = register_module_forward_pre_hook(record)
+    modules: list[tuple[weakref.ref, bool]] = []
+    try:
+        yield modules
+    finally:
+        handle.remove()
+        modules.extend(seen.values())
 
 
 def _backend(gm: GraphModule, backend: str | Callable | None, inputs: list) -> Callable:
@@ -171,7 +213,14 @@ def _signature(a: Any) -> Any:
     try:
         hash(a)
     except TypeError:
-        return ("id", id(a))
+        raise TypeError(
+            f"compile: got an argument of type {type(a).__name__}, which is neither a tensor "
+            "nor hashable. The trace would fix its value, and a later call with other values "
+            "could not be told apart. Pass it as a tensor (or a tuple), or let the compiled "
+            "function close over it."
+        ) from None
+    if isinstance(a, (float, complex)) and a != a:  # NaN, as a key, equals no NaN
+        return (type(a), "nan")
     return (type(a), a)
 
 
@@ -179,6 +228,13 @@ def compile(func: Callable, backend: str | Callable | None = None) -> Callable:
     """``f`` traced once per input signature (the pytree structure, each tensor's shape,
     strides, dtype, device and requires_grad, every other argument's value, grad mode) and
     replayed from the cached graph: the ops of ``f`` with none of the Python per op.
+
+    A trace also holds the ``training`` flag of every module ``f`` calls: after
+    ``model.eval()`` the next call traces again (dropout and batch norm take other
+    branches), and ``model.train()`` brings back the first trace. Other Python state ``f``
+    reads (a global, a captured number) is fixed in the trace, as in ``jax.jit``; pass it
+    as an argument to have it checked. Arguments that are neither tensors nor hashable
+    raise TypeError.
 
     ``backend=None`` replays the ``torch.fx`` graph as is; ``backend="inductor"`` (or any
     ``torch.compile`` backend) compiles each graph with ``torch.compile``. Results equal
