@@ -187,6 +187,22 @@ def test_compile_traces_again_when_a_module_switches_between_train_and_eval():
     assert len(compiled.cache) == 1 and len(next(iter(compiled.cache.values()))) == 2
 
 
+def test_compile_writes_in_place_once_per_call_the_first_call_too():
+    def writes(buffer, x):  # into a captured tensor, an argument, and one example each
+        buffer.add_(x.sum(0))
+        x.mul_(2)
+        return tl.vmap(lambda row: row.mul_(3))(x)
+
+    buffers, xs = [torch.zeros(3), torch.zeros(3)], [torch.ones(2, 3), torch.ones(2, 3)]
+    compiled = tl.compile(lambda x: writes(buffers[0], x))
+    for _ in range(3):
+        out = compiled(xs[0])
+        expected = writes(buffers[1], xs[1])
+        torch.testing.assert_close(out, expected)
+        torch.testing.assert_close(xs[0], xs[1])
+        torch.testing.assert_close(buffers[0], buffers[1])
+
+
 def test_compile_keys_nan_arguments_as_one_value_and_refuses_unhashable_ones():
     traces = []
 

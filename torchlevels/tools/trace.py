@@ -63,8 +63,10 @@ def trace(func: Callable) -> Callable[..., GraphModule]:
     return traced
 
 
-def _trace(func: Callable, args: tuple, kwargs: dict) -> tuple[GraphModule, Any]:
-    """The graph of ``func`` on these inputs, and the pytree spec of its outputs."""
+def _trace(func: Callable, args: tuple, kwargs: dict) -> tuple[GraphModule, Any, list]:
+    """The graph of ``func`` on these inputs, the pytree spec of its outputs, and the
+    outputs themselves: tracing runs ``func`` on the real inputs, in-place writes included,
+    so this call's answer is that run's, not a second run's."""
     flat, spec = tree_flatten((args, kwargs))
     tensors = [i for i, a in enumerate(flat) if isinstance(a, torch.Tensor)]
     if any(isinstance(flat[i], LevelTensor) for i in tensors):
@@ -72,16 +74,16 @@ def _trace(func: Callable, args: tuple, kwargs: dict) -> tuple[GraphModule, Any]
             "trace/compile: got a tensor of a live transform as an input. Trace from outside "
             "every transform: write trace(vmap(f)) rather than vmap(trace(f))."
         )
-    out_spec = None
+    out_spec = outputs = None
 
     def flat_func(*tensor_args: torch.Tensor) -> list:
-        nonlocal out_spec
+        nonlocal out_spec, outputs
         leaves = list(flat)
         for i, t in zip(tensors, tensor_args):
             leaves[i] = t
         a, k = tree_unflatten(leaves, spec)
-        out, out_spec = tree_flatten(func(*a, **k))
-        return out
+        outputs, out_spec = tree_flatten(func(*a, **k))
+        return outputs
 
     try:
         gm = make_fx(flat_func)(*(flat[i] for i in tensors))
@@ -93,7 +95,7 @@ def _trace(func: Callable, args: tuple, kwargs: dict) -> tuple[GraphModule, Any]
     _drop_aliases(gm)
     gm.graph.eliminate_dead_code()
     gm.recompile()
-    return gm, out_spec
+    return gm, out_spec, outputs
 
 
 def _drop_aliases(gm: GraphModule) -> None:
@@ -149,14 +151,14 @@ class CompiledFunction:
         key = (spec, torch.is_grad_enabled(), *(_signature(a) for a in flat))
         traces = self.cache.setdefault(key, [])
         entry = next((t for t in traces if t.holds()), None)
-        if entry is None:
-            with _modules_run() as modules:
-                gm, out_spec = _trace(self.func, args, kwargs)
-            tensors = [i for i, a in enumerate(flat) if isinstance(a, torch.Tensor)]
-            run = _backend(gm, self.backend, [flat[i] for i in tensors])
-            entry = _Trace(run, out_spec, tensors, modules)
-            traces.append(entry)
-        return tree_unflatten(entry.run(*(flat[i] for i in entry.tensors)), entry.out_spec)
+        if entry is not None:
+            return tree_unflatten(entry.run(*(flat[i] for i in entry.tensors)), entry.out_spec)
+        with _modules_run() as modules:
+            gm, out_spec, outputs = _trace(self.func, args, kwargs)
+        tensors = [i for i, a in enumerate(flat) if isinstance(a, torch.Tensor)]
+        run = _backend(gm, self.backend, [flat[i] for i in tensors])
+        traces.append(_Trace(run, out_spec, tensors, modules))
+        return tree_unflatten(outputs, out_spec)  # the traced run's: it wrote in place
 
 
 @dataclass
