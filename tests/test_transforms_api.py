@@ -264,6 +264,18 @@ def test_jacobian_matrix_input_and_output(api):
     assert_tree_close(getattr(tl, api)(f)(M), getattr(tf, api)(f)(M))
 
 
+def test_hessian_of_inputs_of_different_dtypes_gives_each_block_its_row_inputs_dtype():
+    f = lambda a, b, c: (a * b.half()).float().sum() * c.float().sum() + (b * b).sum()
+    args = (torch.randn(3).half(), torch.randn(3), torch.randn(2).double())
+    expected = tf.hessian(f, argnums=(0, 1, 2))(*args)
+    got = tl.hessian(f, argnums=(0, 1, 2))(*args)
+    assert [[h.dtype for h in row] for row in got] == [[h.dtype for h in row] for row in expected]
+    assert_tree_close(got, expected)
+    g = lambda d: (d["a"].double() * d["b"].sum()).sum() + d["a"].pow(3).sum()
+    d = {"a": torch.randn(2), "b": torch.randn(3).double()}
+    assert_tree_close(tl.hessian(g)(d), tf.hessian(g)(d))
+
+
 # -- errors on outputs and inputs -----------------------------------------------------
 
 @pytest.mark.parametrize("api", ["grad", "grad_and_value"])
