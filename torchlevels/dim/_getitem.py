@@ -22,6 +22,8 @@ _SPLIT = "split"
 
 def getitem(x: Any, index: Any) -> Any:
     """``x[index]`` where ``x`` or ``index`` holds first-class dims."""
+    if type(index) is list and _list_is_tuple(index):
+        index = tuple(index)
     t, own = (storage(x, None), x._dims) if isinstance(x, _Tensor) else (x, ())
     fast = _bind_all(t, own, index)
     if fast is not None:
@@ -49,6 +51,8 @@ def _bind_all(t: torch.Tensor, own: tuple, index: Any) -> Tensor | None:
 
 def setitem(x: Any, index: Any, value: Any) -> None:
     """``x[index] = value``: writes through the view that ``x[index]`` would be."""
+    if type(index) is list and _list_is_tuple(index):
+        index = tuple(index)
     t, own = (storage(x, None), x._dims) if isinstance(x, _Tensor) else (x, ())
     t, items = _parse(t, own, index)
     if any(_is_advanced(i) for i in items):
@@ -65,6 +69,16 @@ def setitem(x: Any, index: Any, value: Any) -> None:
 
 
 # -- parsing ----------------------------------------------------------------------------
+def _list_is_tuple(index: list) -> bool:
+    """Whether torch reads the list ``x[index]`` as a tuple of indices (its rule for a
+    short list holding a tensor, a dim, a sequence, a slice, ``...`` or ``None``), so that
+    ``x[[i, j]]`` is ``x[i, j]``, as in functorch.dim; a list of ints stays one index."""
+    return len(index) < 32 and any(
+        isinstance(e, (torch.Tensor, _Tensor, DimList, list, tuple, slice))
+        or e is Ellipsis or e is None for e in index
+    )
+
+
 def _parse(t: torch.Tensor, own: tuple, index: Any) -> tuple[torch.Tensor, list]:
     """``t`` with split dims unflattened, and one index entry per positional dim."""
     items = _expand(list(index) if isinstance(index, tuple) else [index], t.ndim - len(own),

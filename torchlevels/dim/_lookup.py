@@ -30,9 +30,14 @@ class DelayedLookup(Delayed):
         return self._run()._tensor
 
 
+# the table dtypes embedding_bag takes; other tables (integer ones) run the gather
+_BAG_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
 def delayed(t: torch.Tensor, own: tuple, items: list, run) -> DelayedLookup | None:
     """A delayed lookup if ``t[items]`` is one (``run()`` computes it the usual way)."""
-    if own or t.ndim != 2 or type(t) is not torch.Tensor or len(items) != 2:
+    if own or t.ndim != 2 or type(t) is not torch.Tensor or len(items) != 2 or \
+            t.dtype not in _BAG_DTYPES:
         return None
     ids, feature = items
     if not (type(ids) is Tensor and type(feature) is Dim and ids.ndim == 0):
@@ -47,16 +52,23 @@ def delayed(t: torch.Tensor, own: tuple, items: list, run) -> DelayedLookup | No
 
 
 def bag(x: DelayedLookup, summed: tuple, mode: str) -> Tensor | torch.Tensor | None:
-    """``x.sum(summed)`` (or mean) as ``embedding_bag``; None if ``summed`` is not a set
-    of the ids' dims."""
+    """``x.sum(summed)`` (or mean) as ``embedding_bag``; None (run the gather) if
+    ``summed`` is not a set of the ids' dims, if there are no ids (an empty bag), or if
+    embedding_bag rejects an id: negative ids count from the table's end in the gather,
+    which also names any id that is out of range."""
     ids = x._ids
     at = [find(ids._dims, d) for d in summed]
-    if not summed or min(at) < 0 or len(set(at)) != len(at):
+    if not summed or min(at) < 0 or len(set(at)) != len(at) or ids._tensor.numel() == 0:
         return None
     kept = [k for k in range(len(ids._dims)) if k not in at]
     t = ids._tensor.permute(*kept, *at)
+    if not t.is_cpu:  # only the CPU embedding_bag raises for a negative id: wrap them
+        t = torch.where(t < 0, t + x._table.shape[0], t)
     rows = math.prod(t.shape[:len(kept)])
-    out = F.embedding_bag(t.reshape(rows, -1), x._table, mode=mode)
+    try:
+        out = F.embedding_bag(t.reshape(rows, -1), x._table, mode=mode)
+    except RuntimeError:  # an id out of embedding_bag's range [0, rows of the table)
+        return None
     kept_dims = tuple(ids._dims[k] for k in kept)
     return wrap(out.reshape(*(d.size for d in kept_dims), out.shape[-1]),
                 (*kept_dims, x._feature))

@@ -182,7 +182,7 @@ def torch_function(func, args: tuple, kwargs: dict) -> Any:
         out = _reduce.with_dims(func, args, kwargs, *dim_argument)
         if out is not NotImplemented:
             return out
-    if is_pointwise(func):
+    if is_pointwise(func) or _pointwise_call(func, args, kwargs):
         return pointwise(func, args, kwargs)
     return batched(func, args, kwargs)
 
@@ -228,14 +228,40 @@ def _aten_name(func) -> str | None:
     return name
 
 
+def _tensor_other(args: tuple, kwargs: dict) -> bool:
+    """``max(x, other)``, not ``max(x, dim)`` nor ``max(x)``."""
+    other = args[1] if len(args) > 1 else kwargs.get("other")
+    return isinstance(other, (torch.Tensor, _Tensor))
+
+
+# Ops with some overloads tagged pointwise and others not: pointwise for the calls that
+# pass this test, batched otherwise (max(x) and max(x, 1) reduce; where(cond) is nonzero).
+_POINTWISE_CALLS = {
+    "max": _tensor_other,
+    "min": _tensor_other,
+    "where": lambda args, kwargs: len(args) + len(kwargs) == 3,
+    # a tensor fill value stays 0-d under vmap (pointwise would align it to the dims)
+    "masked_fill": lambda args, kwargs: not isinstance(
+        args[2] if len(args) > 2 else kwargs.get("value"), (torch.Tensor, _Tensor)),
+}
+
+
 @functools.cache
 def is_pointwise(func) -> bool:
-    """Whether ``func`` names an aten op PyTorch tags pointwise (add, relu, where, ...)."""
+    """Whether every call of ``func`` is an aten op PyTorch tags pointwise (add, relu, ...);
+    see ``_POINTWISE_CALLS`` for the ops that are pointwise for some calls only."""
     name = _aten_name(func)
-    packet = getattr(torch.ops.aten, name.rstrip("_"), None) if name else None
-    if packet is None:
+    name = name.rstrip("_") if name else None
+    packet = getattr(torch.ops.aten, name, None) if name else None
+    if packet is None or name in _POINTWISE_CALLS:
         return False
     return any(torch.Tag.pointwise in getattr(packet, o).tags for o in packet.overloads())
+
+
+def _pointwise_call(func, args: tuple, kwargs: dict) -> bool:
+    """Whether this call of an op in ``_POINTWISE_CALLS`` is elementwise."""
+    test = _POINTWISE_CALLS.get((_aten_name(func) or "").rstrip("_"))
+    return test is not None and test(args, kwargs)
 
 
 def _is_inplace(func) -> bool:
@@ -249,7 +275,11 @@ def pointwise(func, args: tuple, kwargs: dict) -> Any:
     dims, ndim, device = union(flat)
     if _is_inplace(func) and isinstance(args[0], _Tensor):
         return _pointwise_inplace(func, flat, spec, dims, ndim, device)
-    flat = [align(x, dims, ndim, device) if isinstance(x, _Tensor) else x for x in flat]
+    # a plain 0-d tensor is viewed as shape (1,): it promotes like the dims tensors it
+    # meets, which are one value per element of their dims (as in vmap and functorch.dim)
+    flat = [align(x, dims, ndim, device) if isinstance(x, _Tensor)
+            else x.view(1) if isinstance(x, torch.Tensor) and x.ndim == 0 else x
+            for x in flat]
     a, k = tree_unflatten(flat, spec)
     out = func(*a, **k)
     return tree_map(lambda o: wrap(o, dims) if isinstance(o, torch.Tensor) else o, out)
@@ -258,6 +288,8 @@ def pointwise(func, args: tuple, kwargs: dict) -> Any:
 def _pointwise_inplace(func, flat, spec, dims, ndim, device):
     target = flat[0]
     if type(target) is Dim:
+        if getattr(func, "__name__", "").startswith("__i"):
+            return NotImplemented  # so ``i += 1`` rebinds i to ``i + 1``, as for an int
         raise TypeError(f"{_aten_name(func)}: dim {target} cannot be modified in place")
     missing = [d for d in dims if find(target._dims, d) < 0]
     if missing:
@@ -279,14 +311,44 @@ def batched(func, args: tuple, kwargs: dict) -> Any:
     batch it, then the outputs' batch dims become first-class dims again."""
     flat, spec = tree_flatten((args, kwargs))
     dims, _, device = union(flat)
+    first = flat[0] if flat else None
+    if type(first) is Dim and getattr(func, "__name__", "").endswith("_"):
+        raise TypeError(f"{func.__name__}: dim {first} cannot be modified in place")
     with contextlib.ExitStack() as stack:
         levels = [stack.enter_context(batch_level("different", d.size)) for d in dims]
         for k, x in enumerate(flat):
             if isinstance(x, _Tensor):
                 flat[k] = _enter(x, dims, levels, device)
         a, kw = tree_unflatten(flat, spec)
-        out = func(*a, **kw)
-        return tree_map(lambda o: _leave(o, dims, levels), out)
+        try:
+            out = func(*a, **kw)
+        except RuntimeError as e:
+            _dim_where_int_expected(func, args, kwargs, e)
+            raise
+        result = tree_map(lambda o: _leave(o, dims, levels), out)
+    if isinstance(first, Tensor) and out is flat[0] and isinstance(result, Tensor):
+        # an in-place op returns its input: the tensor itself changes (unsqueeze_ its shape)
+        if isinstance(first, Delayed):
+            first._value = result._tensor
+        else:
+            first._tensor = result._tensor
+        first._dims = result._dims
+        return first
+    return result
+
+
+def _dim_where_int_expected(func, args: tuple, kwargs: dict, error: RuntimeError) -> None:
+    """Name the real problem when ``func`` read a dim passed as an argument as a Python
+    int (``x.narrow(j, 0, 2)``): a first-class dim is not supported for that argument."""
+    passed = [x for x in tree_flatten((args[1:], kwargs))[0] if type(x) is Dim]
+    if passed and "reads a Python value" in str(error):
+        name = getattr(func, "__name__", str(func))
+        raise TypeError(
+            f"{name}: a first-class dim ({', '.join(map(repr, passed))}) was passed where "
+            f"{name} takes an int (a dim, size or index); a first-class dim is not supported "
+            f"for that argument of {name}. Make it positional first, e.g. "
+            f"x.order({passed[0]!r}) moves it to dim 0, and pass 0"
+        ) from error
 
 
 def _enter(x: _Tensor, dims: tuple, levels: list, device) -> torch.Tensor:

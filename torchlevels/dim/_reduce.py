@@ -24,14 +24,18 @@ from torchlevels.dim._ops import Delayed, Tensor, _axes, find, pointwise, storag
 _DIM_ARGUMENTS = {
     **{n: (1, True, False) for n in (
         "sum", "mean", "amax", "amin", "all", "any", "logsumexp", "nansum", "nanmean",
-        "std", "var", "count_nonzero", "aminmax")},
+        "std", "var", "count_nonzero", "std_mean", "var_mean")},
     **{n: (1, True, True) for n in (
-        "prod", "max", "min", "argmax", "argmin", "median", "nanmedian", "mode")},
-    "kthvalue": (2, True, True),
+        "prod", "max", "min", "argmax", "argmin", "median", "nanmedian", "mode", "aminmax",
+        "unbind", "select")},
+    **{n: (2, True, True) for n in ("kthvalue", "quantile", "nanquantile")},
     "norm": (2, True, False),
     **{n: (1, False, True) for n in (
-        "softmax", "log_softmax", "cumsum", "cumprod", "cummax", "cummin", "logcumsumexp",
-        "sort", "argsort")},
+        "softmax", "log_softmax", "softmin", "cumsum", "cumprod", "cumsum_", "cumprod_",
+        "cummax", "cummin", "logcumsumexp", "sort", "argsort")},
+    "renorm": (2, False, True),
+    "flip": (1, False, False),
+    "roll": (2, False, False),
 }
 
 
@@ -68,10 +72,10 @@ def with_dims(func, args: tuple, kwargs: dict, pos: int, reduces: bool, single: 
     if not isinstance(x, _Tensor):
         raise ValueError(f"{name}: dims {spec} given for a tensor without first-class dims")
     entries = spec if isinstance(spec, (tuple, list)) else (spec,)
-    if type(x) in (_DelayedMul, DelayedLookup) and len(args) <= 2 and not kwargs.keys() - {
-        "dim"
-    } and all(isinstance(e, (Dim, DimList)) for e in entries):
+    if type(x) in (_DelayedMul, DelayedLookup) and x._value is None and len(args) <= 2 and \
+            not kwargs.keys() - {"dim"} and all(isinstance(e, (Dim, DimList)) for e in entries):
         summed = tuple(d for e in entries for d in (e if isinstance(e, DimList) else [e]))
+        _check_once(name, [id(d) for d in summed], spec)
         if type(x) is _DelayedMul and name == "sum":
             return _dot(x, summed)
         if type(x) is DelayedLookup and name in ("sum", "mean"):
@@ -81,6 +85,7 @@ def with_dims(func, args: tuple, kwargs: dict, pos: int, reduces: bool, single: 
     axes = [a for e in entries for a in _axes(x, e)]
     if single and len(axes) != 1:
         raise ValueError(f"{name} takes one dim, got {spec}")
+    _check_once(name, axes, spec)
     keepdim = kwargs.get("keepdim", False)
     if reduces and keepdim and any(a < len(x._dims) for a in axes):
         raise ValueError(
@@ -90,15 +95,35 @@ def with_dims(func, args: tuple, kwargs: dict, pos: int, reduces: bool, single: 
     dims, _, device = union([a for a in args if isinstance(a, _Tensor)])
     if not all(d is e for d, e in zip(dims, x._dims)):
         return NotImplemented  # other arguments bring dims of their own
-    new = axes[0] if single else tuple(axes)
     t = storage(x, device)
+    nothing = not axes  # an empty dim list: run over a new size-1 dim, not over all dims
+    if nothing:
+        t, axes = t.unsqueeze(-1), [t.ndim]
+    new = axes[0] if single else tuple(axes)
     if in_kwargs:
         args, kwargs = (t, *args[1:]), {**kwargs, "dim": new}
     else:
         args = (t, *args[1:pos], new, *args[pos + 1:])
     out = func(*args, **kwargs)
+    if out is t:
+        return x  # in place (cumsum_)
     kept = tuple(d for k, d in enumerate(x._dims) if not (reduces and k in axes))
-    return tree_map(lambda o: wrap(o, kept) if isinstance(o, torch.Tensor) else o, out)
+
+    def finish(o: Any) -> Any:
+        if not isinstance(o, torch.Tensor):
+            return o
+        if nothing and o.ndim == t.ndim:  # the size-1 dim was kept (keepdim, flip)
+            o = o.squeeze(-1)
+        return wrap(o, kept)
+
+    return tree_map(finish, out)
+
+
+def _check_once(name: str, named: list, spec: Any) -> None:
+    """A dim may be named once in a dim argument (``x.sum((k, k))`` is an error)."""
+    if len(set(named)) != len(named):
+        raise ValueError(f"{name}: a dim appears multiple times in the dims {spec}; "
+                         "name each dim once")
 
 
 # -- delayed products ---------------------------------------------------------------------
