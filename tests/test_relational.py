@@ -416,7 +416,7 @@ def test_random_filter_groupby_matches_duckdb(rows, threshold):
 
 
 @pytest.mark.parametrize("name", ["", "._column", "._table", "._where", "._groupby", "._fuse",
-                                  "._floats"])
+                                  "._floats", "._ints"])
 def test_docstring_examples(name):
     import doctest
     import importlib
@@ -576,3 +576,275 @@ def test_tables_read_from_arrow_are_made_on_the_default_device():
         table = Table.from_arrow(PEOPLE)
     assert table.device.type == "meta"
     assert Table.from_arrow(PEOPLE).device == torch.get_default_device()
+
+
+# -- types and edge cases, as DuckDB has them -------------------------------------------
+def _register(con, name: str, table: pa.Table) -> Table:
+    con.register(name, table)
+    return Table.from_arrow(table)
+
+
+def _duck_column(con, sql: str) -> list:
+    return [row[0] for row in duck_rows(con, sql)]
+
+
+def test_int_columns_with_python_floats_compute_in_double(con):
+    t = _register(con, "ints", pa.table({"x": pa.array([16777217, 1, 3, -7], pa.int64()),
+                                         "n": pa.array([16777217, None, 3, -7], pa.int64())}))
+    R = dims(1)
+    r = t[R]
+    for ours, sql in [(r["x"] == 16777216.0, "x = 16777216.0"), (r["x"] + 0.5, "x + 0.5"),
+                      (r["x"] + 0.1, "x + 0.1"), (1 / r["x"], "1 / x"),
+                      (2.5 / r["x"], "2.5 / x"), (r["x"] / 3, "x / 3"),
+                      (r["n"] * 0.1, "n * 0.1"), (r["n"] != 16777216.0, "n <> 16777216.0"),
+                      (r["x"].isin([16777216.0, 3.0]), "x in (16777216.0, 3.0)")]:
+        assert_same_rows([(v,) for v in column(ours.order(R))],
+                         duck_rows(con, f"select {sql} from ints"))
+    (total,), = duck_rows(con, "select sum(x + 0.5) from ints")
+    assert_scalar((r["x"] + 0.5).sum(R).item(), total)
+    (total,), = duck_rows(con, "select sum(x) + 0.5 from ints")
+    assert_scalar((r["x"].sum(R) + 0.5).item(), total)
+
+
+def test_strings_that_are_all_null_compare_join_and_fill(con):
+    strings = _register(con, "strs", pa.table({"s": pa.array(["x", None, "y"]),
+                                               "t": pa.array([None] * 3, pa.string())}))
+    R = dims(1)
+    r = strings[R]
+    for ours, sql in [(r["s"] == r["t"], "s = t"), (r["s"] < r["t"], "s < t"),
+                      (r["t"].fill_null("z"), "coalesce(t, 'z')"),
+                      (where(r["s"].is_null(), r["t"], r["s"]),
+                       "case when s is null then t else s end"),
+                      (r["t"] == "x", "t = 'x'")]:
+        assert column(ours.order(R)) == _duck_column(con, f"select {sql} from strs")
+    A, B = dims(2)
+    a, b = strings[A], strings[B]
+    AB, ab = where(a["s"] == b["t"], cat(a[["s"]], b[["t"]]))
+    assert_same_rows(our_rows(ab.order(AB)),
+                     duck_rows(con, "select x.s, y.t from strs x join strs y on x.s = y.t"))
+    empty = _register(con, "nostrs", pa.table({"k": pa.array([], pa.int64()),
+                                               "e": pa.array([], pa.string())}))
+    P, E = dims(2)
+    p, e = Table.from_arrow(PEOPLE)[P], empty[E]
+    PE, pe = where(p["id"] == e["k"], cat(p[["name"]], e[["e"]]), keep=P)
+    ours = Table({"eq": (pe["e"] == pe["name"]).order(PE), "z": pe["e"].fill_null("z").order(PE)})
+    assert_same_rows(our_rows(ours), duck_rows(
+        con, "select e = name, coalesce(e, 'z') from people left join nostrs on id = k"),
+        ordered=False)
+
+
+EMPTY = pa.table({"k": pa.array([], pa.int64()), "v": pa.array([], pa.float64()),
+                  "s": pa.array([], pa.string()), "d": pa.array([], pa.date32())})
+
+
+def test_min_and_max_of_no_rows_are_null(con):
+    empty = _register(con, "empty", EMPTY)
+    R = dims(1)
+    r = empty[R]
+    ours = [getattr(r[c], how)(R).item() for c in ("k", "v", "s", "d") for how in ("min", "max")]
+    theirs = duck_rows(con, "select min(k), max(k), min(v), max(v), min(s), max(s), min(d), "
+                       "max(d) from empty")
+    assert_same_rows([tuple(ours)], theirs)
+    P, E = dims(2)
+    p = Table.from_arrow(PEOPLE)[P]
+    PE, pe = where(p["id"] == empty[E]["k"], cat(p[["age"]], empty[E][["v"]]))
+    ours = [pe["age"].max(PE).item(), pe["v"].min(PE).item(), pe["age"].sum(PE).item()]
+    assert_same_rows([tuple(ours)], duck_rows(
+        con, "select max(age), min(v), sum(age) from people join empty on id = k"))
+
+
+@pytest.mark.parametrize("source", ["empty table", "filter keeping nothing"])
+def test_grouping_no_rows_gives_no_groups(con, people, source):
+    _register(con, "empty", EMPTY)
+    if source == "empty table":
+        rows, key, value, table = Table.from_arrow(EMPTY), "k", "v", "empty"
+    else:  # a column without nulls: the fused per-group path
+        P = dims(1)
+        p = people[P]
+        _, rows = where(p["age"] > 100, p)
+        key, value, table = "name", "id", "people where age > 100"
+    g = groupby(rows, key)
+    G, J = dims(2)
+    q = g[G, J]
+    out = Table({**g.keys.columns, "s": q[value].sum(J).order(G), "a": q[value].mean(J).order(G),
+                 "lo": q[value].min(J).order(G), "hi": q[value].max(J).order(G),
+                 "n": q.count(J).order(G)})
+    sql = (f"select {key}, sum({value}), avg({value}), min({value}), max({value}), count(*) "
+           f"from {table} group by {key}")
+    assert_same_rows(our_rows(out), duck_rows(con, sql))
+    K = dims(1)
+    k = out[K]
+    K2, having = where(k["n"] > 1, k)
+    top = having.order(K2).sort("s", descending=True).head(3)
+    assert_same_rows(our_rows(top), duck_rows(
+        con, f"{sql} having count(*) > 1 order by 2 desc limit 3"))
+
+
+def test_join_on_bool_keys(con):
+    a = _register(con, "ba", pa.table({"p": pa.array([True, False, None, True]),
+                                       "i": pa.array(range(4))}))
+    b = _register(con, "bb", pa.table({"q": pa.array([True, True, False, None]),
+                                       "j": pa.array(range(4))}))
+    A, B = dims(2)
+    AB, ab = where(a[A]["p"] == b[B]["q"], cat(a[A], b[B]))
+    assert_same_rows(our_rows(ab.order(AB)), duck_rows(con, "select * from ba join bb on p = q"),
+                     ordered=False)
+
+
+@pytest.mark.parametrize("pattern", ["a\\%", "a\\b", "a\\_", "a\\\\%", "%\\", "a%", "_\\%"])
+def test_like_has_no_escape_character(con, pattern):
+    t = _register(con, "likes", pa.table({"s": ["a%", "ab", "a\\b", "a\\%", "a_", "a\\\\x",
+                                                "x\\", "a.c\n"]}))
+    R = dims(1)
+    ours = column(t[R]["s"].like(pattern).order(R))
+    assert ours == _duck_column(con, f"select s like '{pattern}' from likes")
+
+
+def test_groups_of_int_keys_spanning_more_than_2_to_the_62_are_sorted(con):
+    keys = [-2**62, 2**62, None, 0, 5, 2**63 - 1, -2**63, 5, None]
+    t = _register(con, "wide", pa.table({"k": pa.array(keys, pa.int64()),
+                                         "v": pa.array(range(len(keys)), pa.int64())}))
+    for by in (["k"], ["k", "v"]):
+        g = groupby(t, by)
+        G, J = dims(2)
+        q = g[G, J]
+        out = Table({**g.keys.columns, "n": q.count(J).order(G), "s": q["v"].sum(J).order(G)})
+        order = ", ".join(f"{c} nulls last" for c in by)
+        assert_same_rows(our_rows(out), duck_rows(
+            con, f"select {', '.join(by)}, count(*), sum(v) from wide group by all "
+            f"order by {order}"))
+
+
+BIG = pa.table({"x": pa.array([2**62, 1, -3], pa.int64()), "k": pa.array([1, 1, 2], pa.int64()),
+                "m": pa.array([-2**63, 5, 0], pa.int64())})
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["op by op", "compiled"])
+@pytest.mark.parametrize("expr, sql", [
+    (lambda r: r["x"] + r["x"], "x + x"), (lambda r: r["x"] * 4, "x * 4"),
+    (lambda r: 2 * r["x"] - 1, "2 * x - 1"), (lambda r: r["x"] - (-r["x"]), "x - (-x)"),
+    (lambda r: -r["m"], "-m"), (lambda r: r["m"] * -1, "m * -1"), (lambda r: r["m"] - 1, "m - 1"),
+])
+def test_int64_overflow_is_an_error_as_in_duckdb(con, monkeypatch, fused, expr, sql):
+    from torchlevels.relational import _fuse
+
+    if fused:
+        monkeypatch.setattr(_fuse, "FUSE_MIN_ROWS", 0)
+    t = _register(con, "big", BIG)
+    with pytest.raises(duckdb.Error, match="Overflow|out of range"):
+        duck_rows(con, f"select sum({sql}) from big")
+    R = dims(1)
+    with pytest.raises(OverflowError, match="int64 overflow: .* does not fit in 64 bits"):
+        expr(t[R]).sum(R).item()
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["op by op", "compiled"])
+def test_int64_arithmetic_and_sums_that_fit_match_duckdb(con, monkeypatch, fused):
+    from torchlevels.relational import _fuse
+
+    if fused:
+        monkeypatch.setattr(_fuse, "FUSE_MIN_ROWS", 0)
+    t = _register(con, "big", BIG)
+    R = dims(1)
+    r = t[R]
+    ours = [r["m"].sum(R).item(), (r["m"] * 1).sum(R).item(),
+            (r["x"] - r["k"] * 2).sum(R).item(), r["x"].mean(R).item(),
+            (r["m"] + r["k"]).min(R).item()]
+    assert ours == list(duck_rows(con, "select sum(m), sum(m * 1), sum(x - k * 2), avg(x), "
+                                  "min(m + k) from big")[0])
+    # the rows a filter leaves out never overflow
+    R2, f = where(r["x"] < 2**61, r)
+    (total,), = duck_rows(con, "select sum(x * 2) from big where x < 2 ** 61")
+    assert (f["x"] * 2).sum(R2).item() == total
+    g = groupby(f, "k")
+    G, J = dims(2)
+    q = g[G, J]
+    out = Table({**g.keys.columns, "a": (q["x"] * 2).sum(J).order(G),
+                 "b": (q["x"] + q["x"].sum(J)).sum(J).order(G)})
+    assert_same_rows(our_rows(out), duck_rows(
+        con, "select k, sum(x * 2), sum(x + s) from (select k, x, sum(x) over (partition by k) "
+        "as s from big where x < 2 ** 61) group by k order by k"))
+    # nor do a left join's null rows, which hold another row's values
+    A, B = dims(2)
+    left = _register(con, "lefts", pa.table({"j": pa.array([1, 2, 3], pa.int64())}))
+    right = _register(con, "rights", pa.table({"j2": pa.array([9, 2], pa.int64()),
+                                                "y": pa.array([2**62, 7], pa.int64())}))
+    AB, ab = where(left[A]["j"] == right[B]["j2"], cat(left[A], right[B]), keep=A)
+    ours = Table({"j": ab["j"].order(AB), "y2": (ab["y"] * 2).order(AB),
+                  "ny": (-ab["y"]).order(AB)})
+    assert_same_rows(our_rows(ours), duck_rows(
+        con, "select j, y * 2, -y from lefts left join rights on j = j2"), ordered=False)
+
+
+def test_sums_and_constants_beyond_int64_are_clear_errors(con):
+    t = _register(con, "big2", pa.table({"x": pa.array([2**62, 2**62, None], pa.int64()),
+                                         "k": pa.array([1, 1, 1], pa.int64()),
+                                         "f": pa.array([1.0, 2.0**64, None])}))
+    (total, mean), = duck_rows(con, "select sum(x), avg(x) from big2")
+    assert total > 2**63 - 1  # DuckDB sums into 128 bits; we refuse rather than wrap
+    R = dims(1)
+    r = t[R]
+    g = groupby(t, "k")
+    G, J = dims(2)
+    for ours in (lambda: r["x"].sum(R), lambda: (r["x"] * 1).sum(R),
+                 lambda: g[G, J]["x"].sum(J)):
+        with pytest.raises(OverflowError, match="sum does not fit in 64 bits"):
+            ours()
+    assert_scalar(r["x"].mean(R).item(), mean)
+    for ours, sql in [(lambda: r["x"] < 2**63, "x < 9223372036854775808"),
+                      (lambda: r["x"] == 2**64 + 1, "x = 18446744073709551617"),
+                      (lambda: r["x"] + 2**63, "x + 9223372036854775808"),
+                      (lambda: r["x"].isin([2**64]), "x in (18446744073709551616)"),
+                      (lambda: r["x"].fill_null(-2**63 - 1),
+                       "coalesce(x, -9223372036854775809)")]:
+        duck_rows(con, f"select {sql} from big2")  # DuckDB answers in 128 bits
+        with pytest.raises(OverflowError, match=r"constant -?\d+ does not fit in 64 bits.*'x'"):
+            ours()
+    assert column((r["f"] < 2**64 + 1).order(R)) == _duck_column(
+        con, "select f < 18446744073709551617 from big2")
+
+
+def test_result_types_follow_duckdb(con, people):
+    P = dims(1)
+    p = people[P]
+    for col in ("age", "id"):  # with and without nulls
+        filled = p[col].fill_null(0.5)
+        assert filled.kind == "float"
+        assert column(filled.order(P)) == _duck_column(
+            con, f"select coalesce({col}, 0.5) from people")
+    case = where(p["ok"], True, 5)
+    assert case.kind == "int" and column(case.order(P)) == _duck_column(
+        con, "select case when ok then true else 5 end from people")
+    for ours, sql in [(lambda: p["ok"] + p["ok"], "ok + ok"), (lambda: p["ok"] * 3, "ok * 3"),
+                      (lambda: p["ok"] - p["ok"], "ok - ok"), (lambda: p["ok"] + 0.5, "ok + 0.5"),
+                      (lambda: p["born"] + p["ok"], "born + ok")]:
+        with pytest.raises(duckdb.BinderException):
+            duck_rows(con, f"select {sql} from people")
+        with pytest.raises(TypeError, match="no arithmetic on bools"):
+            ours()
+    assert (p["ok"].sum(P).item(),) == duck_rows(con, "select sum(ok) from people")[0]
+    g = groupby(people, "name")
+    G, J = dims(2)
+    for col, how, sql in [("born", "sum", "sum(born)"), ("ok", "mean", "avg(ok)"),
+                          ("born", "mean", None), ("name", "sum", "sum(name)")]:
+        if sql:  # DuckDB averages dates into timestamps, which columns do not hold
+            with pytest.raises(duckdb.BinderException):
+                duck_rows(con, f"select {sql} from people")
+        with pytest.raises(TypeError, match=f"cannot {how} column '{col}'"):
+            getattr(p[col], how)(P)
+        with pytest.raises(TypeError, match=f"cannot {how} column '{col}'"):
+            getattr(g[G, J][col], how)(J)
+
+
+def test_a_datetime_with_a_time_of_day_against_a_date_column_is_an_error(con, people):
+    from datetime import datetime
+
+    P = dims(1)
+    p = people[P]
+    for op in ("__lt__", "__eq__", "__ge__"):
+        with pytest.raises(ValueError, match="has a time of day.*whole days"):
+            getattr(p["born"], op)(datetime(1990, 1, 2, 12))
+    with pytest.raises(ValueError, match="has a time of day"):
+        p["born"].fill_null(datetime(2000, 1, 1, 0, 0, 1))
+    ours = column((p["born"] < datetime(1990, 1, 3)).order(P))
+    assert ours == _duck_column(con, "select born < timestamp '1990-01-03 00:00:00' from people")

@@ -3,7 +3,8 @@
 Without nulls a total is one fused kernel under the column's filter mask, and per-group
 values over few groups one fused kernel with the group ids inline (``_fuse.reduce``);
 otherwise they scatter by group id (``bincount``, ``index_add_``, ``scatter_reduce_``).
-SQL semantics: nulls are skipped, and an aggregate of no values is null.
+SQL semantics: nulls are skipped, an aggregate of no values is null, and a sum of ints
+that does not fit in 64 bits is an error (``_ints``).
 """
 
 from __future__ import annotations
@@ -13,14 +14,14 @@ import torch
 from torchlevels.relational._column import Column, Grouping, _device, _rows
 from torchlevels.relational._floats import from_order_key, order_key
 from torchlevels.relational._fuse import SMALL_GROUPS, Expr, evaluate, reduce, reduce_counted
+from torchlevels.relational._ints import halves, whole, whole_float
 
 
 def aggregate(col: Column, dim, how: str) -> Column:
     """``how`` (sum, mean, min, max, count, count_distinct) of ``col`` over ``dim``."""
     dims = col.dims if dim is None else (tuple(dim) if isinstance(dim, tuple) else (dim,))
     name = f"{how}({col.name})"
-    if col.kind == "str" and how in ("sum", "mean"):
-        raise TypeError(f"cannot {how} {col.describe()}")
+    _check_kind(col, how)
     kind = _agg_kind(col, how)
     groups = col.groups
     if groups is not None and set(dims) == {groups.J}:
@@ -39,6 +40,17 @@ def aggregate(col: Column, dim, how: str) -> Column:
     return Column(value, kind, valid=is_valid, dictionary=col.dictionary, name=name)
 
 
+def _check_kind(col: Column, how: str) -> None:
+    """SQL's binder refuses sums of strings and dates and means of them and of bools."""
+    if how not in ("sum", "mean") or col.kind in ("int", "float") or (
+            col.kind == "bool" and how == "sum"):
+        return
+    hint = {"bool": "sum counts the true values; where(b, 1.0, 0.0) gives numbers to average",
+            "date": "min and max take dates; subtract a date to get days (ints)",
+            "str": "min, max and count take strings"}[col.kind]
+    raise TypeError(f"cannot {how} {col.describe()}: {hint}")
+
+
 def _agg_kind(col: Column, how: str) -> str:
     if how in ("count", "count_distinct"):
         return "int"
@@ -50,6 +62,8 @@ def _agg_kind(col: Column, how: str) -> str:
 def reduce_all(col: Column, how: str):
     """``how`` of all of ``col``'s non-null values: (a 0-d value, a 0-d valid flag or
     None). Without nulls this is one fused kernel under the column's filter."""
+    if how in ("min", "max") and _rows(col) == 0:  # torch has no min of nothing: SQL's null
+        return col.physical().new_zeros(()), torch.tensor(False, device=_device(col))
     groups = col.groups
     if groups is not None and int(groups.sizes.sum()) < _rows(col):
         mask = Expr("lt", (groups.gid, groups.size))  # rows a filter left out of every group
@@ -66,6 +80,8 @@ def reduce_all(col: Column, how: str):
         if int(rows) == 0:  # SQL: an aggregate of no rows is null
             zero = total.new_zeros((), dtype=torch.float64 if how == "mean" else total.dtype)
             return zero, torch.tensor(False, device=total.device)
+        if how in ("sum", "mean"):
+            total = _joined(total, col, how)
         return (total.double() / rows if how == "mean" else total), None
     values, valid = col.values.reshape(-1), col.valid
     if mask is not None and col.selection is None:  # grouped rows, some left out
@@ -80,8 +96,12 @@ def reduce_all(col: Column, how: str):
         return torch.tensor(torch.unique(kept).shape[0], device=values.device), None
     null = None if int(count) > 0 else torch.tensor(False, device=values.device)
     if how in ("sum", "mean"):
-        v = values.double() if how == "mean" or values.is_floating_point() else values.long()
-        total = (v if valid is None else torch.where(valid, v, 0)).sum()
+        v = values if valid is None else torch.where(valid, values, 0)
+        if col.kind == "int":
+            high, low = halves(v.long())
+            total = _joined(torch.stack([high.sum(), low.sum()]), col, how)
+        else:
+            total = v.double().sum() if how == "mean" or v.is_floating_point() else v.sum()
         return (total / count.clamp(min=1) if how == "mean" else total), null
     if null is not None:
         return values.new_zeros(()), null
@@ -96,8 +116,10 @@ def reduce_groups(col: Column, groups: Grouping, how: str):
     group); returns (values[size], valid[size] or None). Without nulls, over few groups,
     this is one fused kernel."""
     k = groups.size
-    if col.valid is None and how in ("sum", "mean", "min", "max") and k <= SMALL_GROUPS:
+    if col.valid is None and how in ("sum", "mean", "min", "max") and 0 < k <= SMALL_GROUPS:
         out = reduce(col.data, None, groups.gid, k, "sum" if how == "mean" else how)
+        if how in ("sum", "mean"):
+            out = _joined(out, col, how)
         return (out.double() / groups.sizes if how == "mean" else out), None
     gid = groups.ids()
     values, valid = col.values.reshape(-1), col.valid
@@ -118,8 +140,10 @@ def reduce_groups(col: Column, groups: Grouping, how: str):
         if values.is_floating_point() or how == "mean":
             total = torch.bincount(gid, weights=values.double(), minlength=k + 1)[:k]
         else:
-            total = torch.zeros(k + 1, dtype=torch.int64, device=values.device)
-            total = total.index_add_(0, gid, values.long())[:k]
+            parts = torch.stack(halves(values.long()), 1) if col.kind == "int" else values.long()
+            total = torch.zeros((k + 1, *parts.shape[1:]), dtype=torch.int64,
+                                device=values.device)
+            total = _joined(total.index_add_(0, gid, parts)[:k], col, how)
         if how == "mean":
             total = total / n_valid.clamp(min=1)
         return total, None if null is None else ~null
@@ -131,6 +155,15 @@ def reduce_groups(col: Column, groups: Grouping, how: str):
     if float_min:
         out = from_order_key(out, values.dtype)
     return out, None if null is None else ~null
+
+
+def _joined(sums: torch.Tensor, col: Column, how: str) -> torch.Tensor:
+    """Sums as totals: an int column's come as the sums of its halves (``_ints``), whose
+    total must fit in 64 bits (a mean's need not)."""
+    if col.kind != "int":
+        return sums
+    high, low = sums[..., 0], sums[..., 1]
+    return whole_float(high, low) if how == "mean" else whole(high, low)
 
 
 def _distinct_key(values: torch.Tensor) -> torch.Tensor:

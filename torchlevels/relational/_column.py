@@ -15,6 +15,7 @@ join.
 from __future__ import annotations
 
 import datetime
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -26,6 +27,7 @@ import torch
 from torchlevels.dim import Dim
 from torchlevels.relational._floats import comparison
 from torchlevels.relational._fuse import OPS, Expr, evaluate
+from torchlevels.relational._ints import CHECKED, check_constant
 
 if TYPE_CHECKING:
     from torchlevels.relational._where import Selection
@@ -61,8 +63,12 @@ def same_dims(a: tuple[Dim, ...], b: tuple[Dim, ...]) -> bool:
 
 
 def date_to_days(d: datetime.date) -> int:
-    """Days since 1970-01-01, how date columns store a date."""
+    """Days since 1970-01-01, how date columns store a date. A datetime must be at
+    midnight: date columns hold whole days, and its time of day would be lost."""
     if isinstance(d, datetime.datetime):
+        if d.time() != datetime.time(0):
+            raise ValueError(f"{d!r} has a time of day, but date columns hold whole days: "
+                             "use a datetime.date (or a datetime at midnight)")
         d = d.date()
     return (d - _EPOCH).days
 
@@ -89,17 +95,50 @@ def _const_kind(x: object) -> str:
 
 
 def _result_kind(op: str, a: str, b: str) -> str:
-    if op in ("add", "sub") and a == "date" and b in ("int", "bool"):
+    if op in ("add", "sub") and a == "date" and b == "int":
         return "date"
-    if op == "add" and b == "date" and a in ("int", "bool"):
+    if op == "add" and b == "date" and a == "int":
         return "date"
     if op == "sub" and a == b == "date":
         return "int"
+    if "bool" in (a, b):  # as SQL: true + true is an error, not 2 (nor true)
+        raise TypeError(f"cannot {op} {a} and {b} values: SQL has no arithmetic on bools; "
+                        "where(b, 1, 0) turns a bool column into ints")
     if a not in _NUMERIC or b not in _NUMERIC:
         raise TypeError(f"cannot {op} {a} and {b} values")
     if op == "truediv" or "float" in (a, b):
         return "float"
     return "int"
+
+
+def _checked(op: str, kind: str) -> str:
+    """The op to record: int arithmetic raises on overflow, as SQL's does (``_ints``)."""
+    return f"{op}_int" if kind == "int" and op in ("add", "sub", "mul", "neg") else op
+
+
+def _common_kind(a: str, b: str, what: str) -> str:
+    """The kind of a value that is either an ``a`` or a ``b`` (COALESCE, CASE WHEN)."""
+    if a == b:
+        return a
+    if a in _NUMERIC and b in _NUMERIC:
+        return max(a, b, key=("bool", "int", "float").index)  # as SQL casts them
+    raise TypeError(f"{what}: cannot mix {a} and {b} values")
+
+
+def _constant(value, col: Column):
+    """``value`` as an operand of an op with ``col``: dates as days, ints checked to fit
+    in 64 bits, and a float with an int or bool column as a float64 0-d tensor (torch
+    would compute in float32, SQL computes in DOUBLE)."""
+    kind = _const_kind(value)
+    if kind == "date":
+        return date_to_days(value)
+    if kind == "int" and col.kind == "float":  # exact enough: SQL casts it to DOUBLE
+        return value if -(2**63) <= value < 2**63 else float(value)
+    if kind == "int":
+        return check_constant(value, col.describe())
+    if kind == "float" and col.kind != "float":
+        return torch.tensor(value, dtype=torch.float64, device=_device(col))
+    return value
 
 
 class Column:
@@ -289,27 +328,29 @@ class Column:
         name = f"({_name(left)} {symbol} {_name(right)})"
         if isinstance(other, Column):
             kind = "bool" if compare else _result_kind(op, left.kind, right.kind)
+            op = _checked(op, kind)
             rows = _fusable(left, right)
             if rows is not None and (not compare or left.kind != "str"):
                 if compare:
                     _comparable(left, right, symbol)  # raises on kinds that do not compare
                     op = comparison(op, left.data, right.data)
-                return rows._lazy(Expr(op, (left.data, right.data)), kind, name)
+                return rows._lazy(Expr(op, (_data(left, op), _data(right, op))), kind, name)
             a, b = _aligned(left, right, symbol)
             if compare:
                 a, b = _comparable(a, b, symbol)
                 op = f"{op}_nan"  # SQL's order of floats (the same as PyTorch's for others)
-            return _combine(a, b, OPS[op](a.values, b.values), kind, name)
+            return _combine(a, b, OPS[op](_values(a, op), _values(b, op)), kind, name)
         if compare:
             return _compare_const(self, other, op, symbol, flip, name)
         ck = _const_kind(other)
         kind = _result_kind(op, *((ck, self.kind) if flip else (self.kind, ck)))
-        c = date_to_days(other) if ck == "date" else other
-        args = (c, self.data) if flip else (self.data, c)
+        op = _checked(op, kind)
+        c = _constant(other, self)
         if self.valid is None and not self._is_scalar():
+            args = (c, _data(self, op)) if flip else (_data(self, op), c)
             return self._lazy(Expr(op, args), kind, name)
-        values = OPS[op](c, self.values) if flip else OPS[op](self.values, c)
-        return self._like(values, kind, self.valid, name)
+        args = (c, _values(self, op)) if flip else (_values(self, op), c)
+        return self._like(OPS[op](*args), kind, self.valid, name)
 
     def __add__(self, o):
         return self._binary(o, "add", "+")
@@ -338,9 +379,10 @@ class Column:
     def __neg__(self) -> Column:
         if self.kind not in ("int", "float"):
             raise TypeError(f"cannot negate {self.describe()}")
+        op = _checked("neg", self.kind)
         if self.valid is None and not self._is_scalar():
-            return self._lazy(Expr("neg", (self.data,)), self.kind, f"-{self.name}")
-        return self._like(-self.values, valid=self.valid, name=f"-{self.name}")
+            return self._lazy(Expr(op, (_data(self, op),)), self.kind, f"-{self.name}")
+        return self._like(OPS[op](_values(self, op)), valid=self.valid, name=f"-{self.name}")
 
     def __lt__(self, o):
         return self._binary(o, "lt", "<", compare=True)
@@ -398,10 +440,13 @@ class Column:
 
     def fill_null(self, value) -> Column:
         """The column with nulls replaced by ``value`` (SQL's COALESCE)."""
+        kind = _common_kind(self.kind, _const_kind(value), f"coalesce({_describe(self)}, "
+                            f"{_describe(value)})")
         if self.valid is None:
-            return self
+            if kind == self.kind:
+                return self
+            return self._like(self.values.to(_DTYPES[kind]), kind, None, self.name)
         a, b = _comparable(self, _broadcast_const(self, value), "coalesce")
-        kind = "float" if "float" in (a.kind, b.kind) else a.kind
         return a._like(torch.where(a.valid, a.values, b.values), kind, None,
                        f"coalesce({self.name}, {value!r})", a.dictionary)
 
@@ -443,7 +488,9 @@ class Column:
         return self._string_predicate(pc.match_substring, text, "LIKE '%{}%'")
 
     def like(self, pattern: str) -> Column:
-        """SQL LIKE: ``%`` matches any run of characters, ``_`` any one character.
+        """SQL LIKE: ``%`` matches any run of characters, ``_`` any one character, and
+        every other character itself (a backslash too: as in DuckDB, there is no escape
+        character).
 
         Example::
 
@@ -451,7 +498,7 @@ class Column:
             >>> Table({"s": ["green tea", "red"]})["s"].like("%tea").to_arrow().to_pylist()
             [True, False]
         """
-        return self._string_predicate(pc.match_like, pattern, "LIKE '{}'")
+        return self._string_predicate(_match_like, pattern, "LIKE '{}'")
 
     def _string_predicate(self, fn, text: str, sql: str) -> Column:
         self._expect("str", sql.format(text))
@@ -517,6 +564,12 @@ class Column:
                       name=self.name)
 
 
+def _match_like(strings: pa.Array, pattern: str) -> pa.Array:
+    # as a regex: Arrow's LIKE takes a backslash as an escape character, SQL's has none
+    regex = "".join({"%": ".*", "_": "."}.get(ch) or re.escape(ch) for ch in pattern)
+    return pc.match_substring_regex(strings, f"(?s)^{regex}$")
+
+
 def _name(x) -> str:
     return x.name if isinstance(x, Column) else repr(x)
 
@@ -537,6 +590,36 @@ def _fusable(a: Column, b: Column) -> Column | None:
             and _rows(a) == _rows(b)):
         return a
     return None
+
+
+def _data(col: Column, op: str):
+    """``col.data`` as an operand of ``op``. A checked int op (``_ints``) reads 0 at the
+    physical rows the column does not hold (a filter's rows left out, rows in no group):
+    their values must not raise an overflow no one asked about."""
+    if op not in CHECKED:
+        return col.data
+    if col.selection is not None:
+        return Expr("select", (col.selection.mask, col.data, 0))
+    if _rows_in_no_group(col):
+        return Expr("select", (Expr("lt", (col.groups.gid, col.groups.size)), col.data, 0))
+    return col.data
+
+
+def _values(col: Column, op: str) -> torch.Tensor:
+    """``col.values`` as an operand of ``op``: for a checked int op, 0 at nulls and at rows
+    in no group (see :func:`_data`)."""
+    values, held = col.values, col.valid
+    if op not in CHECKED:
+        return values
+    if col.selection is None and _rows_in_no_group(col):
+        in_group = col.groups.ids() < col.groups.size
+        held = in_group if held is None else held & in_group
+    return values if held is None else torch.where(held, values, 0)
+
+
+def _rows_in_no_group(col: Column) -> bool:
+    """Whether a grouped column has rows that a filter before the groupby left out."""
+    return col.groups is not None and int(col.groups.sizes.sum()) < _rows(col)
 
 
 def _device(c: Column) -> torch.device:
@@ -563,7 +646,8 @@ def _aligned(a: Column, b: Column, symbol: str) -> tuple[Column, Column]:
         return a, _broadcast(b, a)
     for x, y in ((a, b), (b, a)):
         if y.groups is not None and same_dims(x.dims, (y.groups.G,)):
-            expanded = x.take(y.groups.ids(), y.dims, y.groups)
+            gid = y.groups.ids()  # a row in no group (gid == size) takes a null
+            expanded = x.take(torch.where(gid < y.groups.size, gid, -1), y.dims, y.groups)
             return (expanded, y) if x is a else (y, expanded)
     raise ValueError(
         f"cannot combine {a.describe()} with {b.describe()} in '{symbol}': bind both to the "
@@ -584,6 +668,8 @@ def _broadcast_const(like: Column, value) -> Column:
         dictionary = pa.array([value], pa.string())
         return Column(torch.zeros_like(like.values, dtype=torch.int64), "str", dims=like.dims,
                       dictionary=dictionary, groups=like.groups, name=repr(value))
+    if kind == "int":
+        check_constant(value, f"a constant with {like.describe()}")
     v = date_to_days(value) if kind == "date" else value
     return Column(torch.full_like(like.values, v, dtype=_DTYPES[kind]), kind, dims=like.dims,
                   groups=like.groups, name=repr(value))
@@ -623,6 +709,7 @@ def unify_dictionaries(dicts: list[pa.Array]) -> tuple[pa.Array, list[torch.Tens
     merged = pc.unique(pa.concat_arrays([d.cast(pa.string()) for d in dicts]))
     merged = merged.take(pc.array_sort_indices(merged))
     remaps = [torch.from_numpy(pc.index_in(d.cast(pa.string()), merged).to_numpy().astype("int64"))
+              if len(d) else torch.zeros(1, dtype=torch.int64)  # all null, with codes 0
               for d in dicts]
     return merged, remaps
 
@@ -637,7 +724,7 @@ def _compare_const(col: Column, value, op, symbol, flip, name) -> Column:
         scalar = pa.scalar(value, pa.string())
         args = (scalar, col.dictionary) if flip else (col.dictionary, scalar)
         return col._on_dictionary(arrow_op(*args), name)
-    c = date_to_days(value) if kind == "date" else value
+    c = _constant(value, col)
     if col.valid is None and not col._is_scalar():
         args = (c, col.data) if flip else (col.data, c)
         return col._lazy(Expr(comparison(op, *args), args), "bool", name)

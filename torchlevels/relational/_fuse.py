@@ -26,14 +26,19 @@ import warnings
 import torch
 
 from torchlevels.relational._floats import COMPARISONS, from_order_key, order_key
+from torchlevels.relational._ints import CHECKED, halves
 
 FUSE_MIN_ROWS = 1 << 20  # the fewest rows worth a compiled kernel
 SMALL_GROUPS = 16  # per-group reductions over at most this many groups fuse (one pass)
 
 
 def _true_divide(a, b):
+    # SQL divides ints in DOUBLE; torch would in float32, its default float
     if isinstance(a, torch.Tensor) and not a.is_floating_point():
         a = a.double()
+    elif isinstance(b, torch.Tensor) and not b.is_floating_point() and not isinstance(
+            a, torch.Tensor):
+        b = b.double()
     return torch.true_divide(a, b)
 
 
@@ -42,6 +47,7 @@ OPS = {
     "neg": operator.neg, "invert": operator.invert, "and": operator.and_, "or": operator.or_,
     "lt": torch.lt, "le": torch.le, "gt": torch.gt, "ge": torch.ge, "eq": torch.eq,
     "ne": torch.ne, **COMPARISONS,  # the latter for NaN, which SQL orders above all
+    **CHECKED,  # int arithmetic that raises on overflow, as SQL's does
     "lookup": lambda codes, table: table[codes],
     "select": torch.where,  # select(mask, a, b): a where mask, else b
     "radix": lambda code, base, digit: code * base + digit,
@@ -130,6 +136,9 @@ def _reduce_one(values: torch.Tensor, keep, how: str):
         return from_order_key(_reduce_one(order_key(values), keep, how), values.dtype)
     if keep is not None:
         values = torch.where(keep, values, _identity(values, how))
+    if how == "sum" and not values.is_floating_point() and values.dtype != torch.bool:
+        high, low = halves(values.long())  # exact, or an overflow error: see _ints.whole
+        return torch.stack([high.sum(), low.sum()])
     if how == "sum":
         return values.sum(dtype=torch.float64 if values.is_floating_point() else torch.int64)
     return values.amin() if how == "min" else values.amax()
@@ -164,8 +173,10 @@ def _compiled(kernel, *static):
 
 
 def _call(kernel, static: tuple, tensors: list, rows: int):
-    """``kernel(*static, tensors)``: compiled when the rows are many and compiling works."""
-    if rows >= FUSE_MIN_ROWS and not _compile_failed:
+    """``kernel(*static, tensors)``: compiled when the rows are many and compiling works,
+    and no op checks for int overflow (a data-dependent raise would split the kernel)."""
+    if rows >= FUSE_MIN_ROWS and not _compile_failed and not any(
+            _checks_overflow(s) for s in static if isinstance(s, tuple)):
         tensors = list(tensors)
         static = tuple(_lift(s, tensors) if isinstance(s, tuple) else s for s in static)
         try:
@@ -196,6 +207,11 @@ def evaluate_at(node, rows: torch.Tensor) -> torch.Tensor:
     return _run(plan, [t[rows] if k in leaves else t for k, t in enumerate(tensors)])
 
 
+def _checks_overflow(plan) -> bool:
+    return plan[0] in CHECKED or (plan[0] not in ("leaf", "table", "const") and any(
+        _checks_overflow(p) for p in plan[1:]))
+
+
 def _leaves(plan):
     if plan[0] in ("leaf", "table"):
         yield plan
@@ -213,7 +229,8 @@ def reduce_counted(values, mask, how: str) -> tuple[torch.Tensor, torch.Tensor]:
 def reduce(values, mask, gid, groups: int, how: str) -> torch.Tensor:
     """``how`` (sum, min, max, count: of true values, or rows) of ``values`` over the rows
     where ``mask`` holds (None: all), per group ``gid`` in ``0 .. groups - 1`` (None: one
-    total). Sums of floats are float64, of ints and bools int64."""
+    total). Sums of floats are float64, of bools int64, and of ints the sums of their
+    ``_ints.halves`` (a last dim of 2) for ``_ints.whole`` to check and join."""
     tensors: list = []
     seen: dict[int, int] = {}
     plans = (_flatten(values, tensors, seen),

@@ -218,10 +218,13 @@ def _codes(key: Column) -> _KeyCodes:
         uniq, codes = torch.unique(order_key(v), return_inverse=True)
         r, values = uniq.shape[0], lambda c: from_order_key(uniq[c], v.dtype)
     else:
-        lo = int(v.min()) if v.numel() else 0
-        codes = v.long() - lo
-        r = (int(v.max()) - lo + 1) if v.numel() else 1
-        values = lambda c: (c + lo).to(v.dtype)
+        lo, hi = (int(v.min()), int(v.max())) if v.numel() else (0, 0)
+        if hi - lo < 2**62:  # value - lo fits in an int64, with room for the nulls' code
+            codes, r = v.long() - lo, hi - lo + 1
+            values = lambda c: (c + lo).to(v.dtype)
+        else:  # rank the values instead
+            uniq, codes = torch.unique(v, return_inverse=True)
+            r, values = uniq.shape[0], lambda c: uniq[c]
     has_nulls = key.valid is not None
     if has_nulls:
         codes = torch.where(key.valid, codes, r)

@@ -25,6 +25,7 @@ from torchlevels.relational._column import (
     _aligned,
     _and_valid,
     _broadcast_const,
+    _common_kind,
     _comparable,
     _rows,
 )
@@ -194,10 +195,10 @@ def _case(mask, x, y) -> Column:
     y = y if isinstance(y, Column) else _broadcast_const(mask, y)
     mask, x = _aligned(mask, x, "where")
     mask, y = _aligned(mask, y, "where")
+    kind = _common_kind(x.kind, y.kind, f"where({mask.name}, {x.describe()}, {y.describe()})")
     x, y = _comparable(x, y, "where")
     take_x = mask.is_true()
     values = torch.where(take_x, x.values, y.values)
-    kind = "float" if "float" in (x.kind, y.kind) else x.kind
     valid = None
     if x.valid is not None or y.valid is not None:
         vx = torch.ones_like(take_x) if x.valid is None else x.valid
@@ -287,8 +288,10 @@ def _equi_join(ka: Column, kb: Column, filters_a: list[Column],
     filters are evaluated on its matched rows only."""
     ka, kb = _comparable(ka, kb, "==")
     va, vb = ka.values, kb.values
-    if va.dtype != vb.dtype:
-        dtype = torch.promote_types(va.dtype, vb.dtype)
+    dtype = torch.promote_types(va.dtype, vb.dtype)
+    if dtype == torch.bool:  # keys index a position table: bools would be masks
+        dtype = torch.int64
+    if va.dtype != dtype or vb.dtype != dtype:
         va, vb = va.to(dtype), vb.to(dtype)
     swap = va.shape[0] < vb.shape[0]
     a, b = (va, ka.valid, filters_a), (vb, kb.valid, filters_b)

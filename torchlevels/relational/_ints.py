@@ -1,0 +1,114 @@
+"""SQL's integer arithmetic: an int64 result that does not fit is an error, never a wrap.
+
+PyTorch's integers wrap around (``2**62 + 2**62`` is ``-2**63``); SQL raises instead
+(DuckDB: "Overflow in addition of INT64"). So an expression of int columns records the
+checked ops of this module, which look for overflow with a few vectorized bit tests,
+and a sum of int64 values is taken as two sums, of the high and of the low 32 bits of
+each value: each fits in an int64 for fewer than 2**31 rows, and together they give
+the exact total, or tell that it does not fit. Float columns never come here.
+
+Example::
+
+    >>> import torch
+    >>> from torchlevels.relational._ints import CHECKED, halves, whole
+    >>> x = torch.tensor([2**62, 5])
+    >>> CHECKED["add_int"](x, 1).tolist()
+    [4611686018427387905, 6]
+    >>> CHECKED["add_int"](x, x)
+    Traceback (most recent call last):
+    ...
+    OverflowError: int64 overflow: 4611686018427387904 + 4611686018427387904 does not fit
+    in 64 bits (SQL's BIGINT); compute in floats instead (multiply a column by 1.0)
+    >>> high, low = halves(x)
+    >>> whole(high.sum(), low.sum()).item()
+    4611686018427387909
+"""
+
+from __future__ import annotations
+
+import torch
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+_LOW_BITS = 0xFFFFFFFF
+
+
+def _overflow(where: torch.Tensor, symbol: str, *operands) -> None:
+    """Raise for the first row of ``where`` (a bool tensor) whose ``symbol`` of
+    ``operands`` (one: a prefix op; two: an infix op) overflowed."""
+    if not bool(where.any()):
+        return
+    row = torch.nonzero(where.reshape(-1))[0]
+    values = [v.expand_as(where).reshape(-1)[row].item() if isinstance(v, torch.Tensor)
+              else v for v in operands]
+    text = f" {symbol} ".join(map(str, values)) if len(values) == 2 else f"{symbol}{values[0]}"
+    raise OverflowError(f"int64 overflow: {text} does not fit in 64 bits (SQL's BIGINT); "
+                        "compute in floats instead (multiply a column by 1.0)")
+
+
+def _add(a, b):
+    out = a + b
+    _overflow(((a ^ out) & (b ^ out)) < 0, "+", a, b)  # the sign of out differs from both
+    return out
+
+
+def _sub(a, b):
+    out = a - b
+    _overflow(((a ^ b) & (a ^ out)) < 0, "-", a, b)  # a's sign differs from b's and out's
+    return out
+
+
+def _mul(a, b):
+    out = a * b
+    # a float64 product is within a relative 2**-50 of the true one: only products near
+    # 2**63 need a look with Python's exact ints
+    near = (_double(a) * _double(b)).abs() >= 2.0**62
+    if bool(near.any()):
+        xs, ys = (torch.as_tensor(v, device=near.device).expand_as(near)[near].tolist()
+                  for v in (a, b))
+        bad = torch.tensor([not INT64_MIN <= x * y <= INT64_MAX for x, y in zip(xs, ys)])
+        _overflow(near.masked_scatter(near, bad.to(near.device)), "*", a, b)
+    return out
+
+
+def _neg(a):
+    _overflow(a == INT64_MIN, "-", a)
+    return -a
+
+
+def _double(x):
+    return x.double() if isinstance(x, torch.Tensor) else float(x)
+
+
+CHECKED = {"add_int": _add, "sub_int": _sub, "mul_int": _mul, "neg_int": _neg}
+
+
+def check_constant(value: int, what: str) -> int:
+    """``value`` if it fits in an int64, else an OverflowError naming it and ``what``."""
+    if not INT64_MIN <= value <= INT64_MAX:
+        raise OverflowError(
+            f"the constant {value} does not fit in 64 bits, the type of {what}: use a "
+            f"constant in [{INT64_MIN}, {INT64_MAX}] (or a float)"
+        )
+    return value
+
+
+def halves(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int64 ``values`` as their high (signed) and low (unsigned) 32 bits: ``values ==
+    high * 2**32 + low``, and sums of either over fewer than 2**31 rows fit in an int64."""
+    return values >> 32, values & _LOW_BITS
+
+
+def whole(high: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+    """The int64 totals ``high * 2**32 + low`` of sums of :func:`halves`, or an
+    OverflowError where one does not fit in 64 bits."""
+    high = high + (low >> 32)  # carry the low sums' high bits over
+    low = low & _LOW_BITS
+    if bool(((high < -(2**31)) | (high >= 2**31)).any()):
+        raise OverflowError("int64 overflow: a sum does not fit in 64 bits (SQL's BIGINT); "
+                            "sum in floats instead (multiply the column by 1.0)")
+    return high * 2**32 + low
+
+
+def whole_float(high: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+    """The totals ``high * 2**32 + low`` as float64, however large (for means)."""
+    return high.double() * 2.0**32 + low.double()
