@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from torchlevels.relational._column import Column, Grouping, _device, _rows
+from torchlevels.relational._column import Column, Grouping, _device, _rows, _rows_in_no_group
 from torchlevels.relational._floats import from_order_key, order_key
-from torchlevels.relational._fuse import SMALL_GROUPS, Expr, evaluate, reduce, reduce_counted
+from torchlevels.relational._fuse import SMALL_GROUPS, evaluate, reduce, reduce_counted
 from torchlevels.relational._ints import halves, whole, whole_float
 
 
@@ -65,8 +65,8 @@ def reduce_all(col: Column, how: str):
     if how in ("min", "max") and _rows(col) == 0:  # torch has no min of nothing: SQL's null
         return col.physical().new_zeros(()), torch.tensor(False, device=_device(col))
     groups = col.groups
-    if groups is not None and int(groups.sizes.sum()) < _rows(col):
-        mask = Expr("lt", (groups.gid, groups.size))  # rows a filter left out of every group
+    if _rows_in_no_group(col):
+        mask = groups.in_a_group()
         count = groups.sizes.sum
     elif col.selection is not None:
         mask = col.selection.mask

@@ -55,6 +55,10 @@ class Grouping:
         self.gid = evaluate(self.gid)
         return self.gid
 
+    def in_a_group(self) -> Expr:
+        """True at the rows of some group, false at those a filter left out."""
+        return Expr("lt", (self.gid, self.size))
+
 
 def same_dims(a: tuple[Dim, ...], b: tuple[Dim, ...]) -> bool:
     """Whether two tuples hold the same dims in the same order (dims compare by identity:
@@ -601,7 +605,7 @@ def _data(col: Column, op: str):
     if col.selection is not None:
         return Expr("select", (col.selection.mask, col.data, 0))
     if _rows_in_no_group(col):
-        return Expr("select", (Expr("lt", (col.groups.gid, col.groups.size)), col.data, 0))
+        return Expr("select", (col.groups.in_a_group(), col.data, 0))
     return col.data
 
 
