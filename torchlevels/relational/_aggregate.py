@@ -14,7 +14,7 @@ import torch
 from torchlevels.relational._column import Column, Grouping, _device, _rows, _rows_in_no_group
 from torchlevels.relational._floats import from_order_key, order_key
 from torchlevels.relational._fuse import SMALL_GROUPS, evaluate, reduce, reduce_counted
-from torchlevels.relational._ints import halves, whole, whole_float
+from torchlevels.relational._ints import halves, summed_halves, whole, whole_float
 
 
 def aggregate(col: Column, dim, how: str) -> Column:
@@ -98,8 +98,7 @@ def reduce_all(col: Column, how: str):
     if how in ("sum", "mean"):
         v = values if valid is None else torch.where(valid, values, 0)
         if col.kind == "int":
-            high, low = halves(v.long())
-            total = _joined(torch.stack([high.sum(), low.sum()]), col, how)
+            total = _joined(summed_halves(v), col, how)
         else:
             total = v.double().sum() if how == "mean" or v.is_floating_point() else v.sum()
         return (total / count.clamp(min=1) if how == "mean" else total), null
@@ -140,7 +139,7 @@ def reduce_groups(col: Column, groups: Grouping, how: str):
         if values.is_floating_point() or how == "mean":
             total = torch.bincount(gid, weights=values.double(), minlength=k + 1)[:k]
         else:
-            parts = torch.stack(halves(values.long()), 1) if col.kind == "int" else values.long()
+            parts = torch.stack(halves(values), 1) if col.kind == "int" else values.long()
             total = torch.zeros((k + 1, *parts.shape[1:]), dtype=torch.int64,
                                 device=values.device)
             total = _joined(total.index_add_(0, gid, parts)[:k], col, how)
@@ -162,8 +161,7 @@ def _joined(sums: torch.Tensor, col: Column, how: str) -> torch.Tensor:
     total must fit in 64 bits (a mean's need not)."""
     if col.kind != "int":
         return sums
-    high, low = sums[..., 0], sums[..., 1]
-    return whole_float(high, low) if how == "mean" else whole(high, low)
+    return whole_float(sums) if how == "mean" else whole(sums)
 
 
 def _distinct_key(values: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,7 @@ import warnings
 import torch
 
 from torchlevels.relational._floats import COMPARISONS, from_order_key, order_key
-from torchlevels.relational._ints import CHECKED, halves
+from torchlevels.relational._ints import CHECKED, summed_halves
 
 FUSE_MIN_ROWS = 1 << 20  # the fewest rows worth a compiled kernel
 SMALL_GROUPS = 16  # per-group reductions over at most this many groups fuse (one pass)
@@ -137,8 +137,7 @@ def _reduce_one(values: torch.Tensor, keep, how: str):
     if keep is not None:
         values = torch.where(keep, values, _identity(values, how))
     if how == "sum" and not values.is_floating_point() and values.dtype != torch.bool:
-        high, low = halves(values.long())  # exact, or an overflow error: see _ints.whole
-        return torch.stack([high.sum(), low.sum()])
+        return summed_halves(values)  # exact, or an overflow error: see _ints.whole
     if how == "sum":
         return values.sum(dtype=torch.float64 if values.is_floating_point() else torch.int64)
     return values.amin() if how == "min" else values.amax()
