@@ -287,10 +287,9 @@ def pointwise(func, args: tuple, kwargs: dict) -> Any:
 
 def _pointwise_inplace(func, flat, spec, dims, ndim, device):
     target = flat[0]
-    if type(target) is Dim:
-        if getattr(func, "__name__", "").startswith("__i"):
-            return NotImplemented  # so ``i += 1`` rebinds i to ``i + 1``, as for an int
-        raise TypeError(f"{_aten_name(func)}: dim {target} cannot be modified in place")
+    if type(target) is Dim and getattr(func, "__name__", "").startswith("__i"):
+        return NotImplemented  # so ``i += 1`` rebinds i to ``i + 1``, as for an int
+    _refuse_dim_write(func, target)
     missing = [d for d in dims if find(target._dims, d) < 0]
     if missing:
         raise ValueError(
@@ -306,14 +305,20 @@ def _pointwise_inplace(func, flat, spec, dims, ndim, device):
     return target
 
 
+def _refuse_dim_write(func, target: Any) -> None:
+    """An in-place op may not write a dim: its values are its indices."""
+    if type(target) is Dim:
+        raise TypeError(f"{_aten_name(func)}: dim {target} cannot be modified in place")
+
+
 def batched(func, args: tuple, kwargs: dict) -> Any:
     """Any op: one vmap level per dim of the inputs, so this project's batching rules
     batch it, then the outputs' batch dims become first-class dims again."""
     flat, spec = tree_flatten((args, kwargs))
     dims, _, device = union(flat)
     first = flat[0] if flat else None
-    if type(first) is Dim and getattr(func, "__name__", "").endswith("_"):
-        raise TypeError(f"{func.__name__}: dim {first} cannot be modified in place")
+    if _is_inplace(func):
+        _refuse_dim_write(func, first)
     with contextlib.ExitStack() as stack:
         levels = [stack.enter_context(batch_level("different", d.size)) for d in dims]
         for k, x in enumerate(flat):
