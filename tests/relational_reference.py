@@ -28,11 +28,15 @@ def same_value(a, b, rel: float = 1e-9) -> bool:
         return True  # SQL's NaN equals NaN
     if isinstance(a, float) or isinstance(b, float):
         return math.isclose(float(a), float(b), rel_tol=rel, abs_tol=1e-9)
-    if isinstance(a, datetime.datetime):
-        a = a.date()
-    if isinstance(b, datetime.datetime):
-        b = b.date()
+    if isinstance(a, datetime.datetime) != isinstance(b, datetime.datetime):
+        a, b = _as_datetime(a), _as_datetime(b)  # DuckDB's date arithmetic gives midnights
     return a == b
+
+
+def _as_datetime(v):
+    if isinstance(v, datetime.date) and not isinstance(v, datetime.datetime):
+        return datetime.datetime.combine(v, datetime.time())
+    return v
 
 
 def assert_same_rows(ours: list[tuple], theirs: list[tuple], ordered: bool = True) -> None:

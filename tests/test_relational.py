@@ -1,6 +1,6 @@
 """torchlevels.relational against DuckDB on small tables with nulls, strings and dates."""
 
-from datetime import date
+from datetime import date, datetime, timedelta, timezone
 
 import duckdb
 import pyarrow as pa
@@ -848,3 +848,117 @@ def test_a_datetime_with_a_time_of_day_against_a_date_column_is_an_error(con, pe
         p["born"].fill_null(datetime(2000, 1, 1, 0, 0, 1))
     ours = column((p["born"] < datetime(1990, 1, 3)).order(P))
     assert ours == _duck_column(con, "select born < timestamp '1990-01-03 00:00:00' from people")
+
+
+# -- timestamps, and what tables read from Arrow, CSV and tensors ------------------------
+def _times(unit: str, tz: str | None = None) -> pa.Table:
+    at = [datetime(2020, 1, 1, 12, 30), None, datetime(2020, 1, 1),
+          datetime(1969, 12, 31, 23, 59, 59), datetime(2020, 1, 1, 12, 30),
+          datetime(1900, 3, 1, 0, 0, 1)]
+    table = pa.table({"id": pa.array(range(6), pa.int64()), "t": pa.array(at, pa.timestamp(unit)),
+                      "d": pa.array([x and x.date() for x in at], pa.date32())})
+    if tz is not None:
+        table = table.set_column(1, "t", table["t"].cast(pa.timestamp(unit, tz)))
+    return table
+
+
+@pytest.mark.parametrize("unit", ["s", "ms", "us", "ns"])
+def test_timestamps_keep_their_time_of_day(con, unit):
+    t = _register(con, "times", pa.Table.from_batches(_times(unit).to_batches(max_chunksize=4)))
+    exact = lambda ours, sql: ours == duck_rows(con, sql)  # reference's rows compare dates only
+    assert t["t"].kind == "timestamp" and exact(our_rows(t), "select * from times")
+    R = dims(1)
+    r = t[R]
+    for c, lit in [(datetime(2020, 1, 1, 12, 30), "timestamp '2020-01-01 12:30'"),
+                   (date(2020, 1, 1), "date '2020-01-01'")]:
+        for op, sym in [("__eq__", "="), ("__lt__", "<"), ("__ge__", ">=")]:
+            assert exact([(v,) for v in column(getattr(r["t"], op)(c).order(R))],
+                         f"select t {sym} {lit} from times")
+        R2, f = where(r["t"] > c, r)
+        assert exact(our_rows(f.order(R2)), f"select * from times where t > {lit}")
+        assert exact([(v,) for v in column(r["t"].fill_null(c).order(R))],
+                     f"select coalesce(t, {lit}) from times")
+    assert exact([(r["t"].min(R).item(), r["t"].max(R).item(), r["t"].count_distinct(R).item())],
+                 "select min(t), max(t), count(distinct t) from times")
+    g = groupby(t, "d")
+    G, J = dims(2)
+    q = g[G, J]
+    out = Table({"d": g.keys["d"], "lo": q["t"].min(J).order(G), "hi": q["t"].max(J).order(G)})
+    assert exact(our_rows(out), "select d, min(t), max(t) from times group by d order by d")
+    g = groupby(t, "t")
+    G, J = dims(2)
+    out = Table({"t": g.keys["t"], "n": g[G, J].count(J).order(G)})
+    assert exact(our_rows(out), "select t, count(*) from times group by t order by t nulls last")
+    assert exact(our_rows(t.sort("t", descending=True)[["t"]]),
+                 "select t from times order by t desc nulls last")
+    A, B = dims(2)
+    AB, ab = where(t[A]["t"] == t[B]["t"], cat(t[A][["id"]], t[B][["t"]]))
+    assert sorted(our_rows(ab.order(AB))) == sorted(duck_rows(
+        con, "select a.id, b.t from times a join times b on a.t = b.t"))
+
+
+def test_timestamps_with_a_time_zone_are_instants(con):
+    t = _register(con, "zoned", _times("us", "America/New_York"))
+    micros = lambda x: x.to_arrow().cast(pa.int64()).to_pylist()
+    assert t["t"].kind == "timestamptz"
+    assert micros(t["t"]) == _duck_column(con, "select epoch_us(t) from zoned")
+    R = dims(1)
+    r = t[R]
+    noon_utc = datetime(2020, 1, 1, 7, 30, tzinfo=timezone(timedelta(hours=-5)))
+    for op, sym in [("__eq__", "="), ("__lt__", "<"), ("__ge__", ">=")]:
+        assert column(getattr(r["t"], op)(noon_utc).order(R)) == _duck_column(
+            con, f"select t {sym} timestamptz '2020-01-01 07:30:00-05' from zoned")
+    assert [micros(r["t"].min(R)), micros(r["t"].max(R))] == [[v] for v in duck_rows(
+        con, "select epoch_us(min(t)), epoch_us(max(t)) from zoned")[0]]
+    with pytest.raises(TypeError, match=r"column 't' \(timestamptz.*\(timestamp\)"):
+        _ = r["t"] < datetime(2020, 1, 1)  # which zone? DuckDB takes its session's
+
+
+def test_what_timestamps_take_and_refuse(con):
+    t = _register(con, "times", _times("ns"))
+    R = dims(1)
+    r = t[R]
+    for ours, sql in [(lambda: r["t"].sum(R), "sum(t)"), (lambda: r["t"] + 1, "t + 1"),
+                      (lambda: r["t"] > 3, "t > 3")]:
+        with pytest.raises(duckdb.BinderException):
+            duck_rows(con, f"select {sql} from times")
+        with pytest.raises(TypeError, match="timestamp"):
+            ours()
+    with pytest.raises(TypeError, match=r"column 't' \(timestamp.*column 'd' \(date"):
+        _ = r["t"] == r["d"]
+    with pytest.raises(TypeError, match=r"\(timestamptz\)"):
+        _ = r["t"] < datetime(2020, 1, 1).astimezone()
+    late = pa.table({"t": pa.array([1_000_000_001], pa.timestamp("ns"))})
+    with pytest.raises(ValueError, match=r"column 't' \(timestamp\[ns\]\).*microseconds"):
+        Table.from_arrow(late)
+    back = Table({"t": [datetime(2020, 1, 1, 0, 0, 0, 1)], "d": [date(2020, 1, 1)]})
+    assert back.to_arrow().to_pylist() == [{"t": datetime(2020, 1, 1, 0, 0, 0, 1),
+                                            "d": date(2020, 1, 1)}]
+
+
+def test_read_csv_reads_fields_as_duckdb_does(con, tmp_path):
+    path = tmp_path / "quirks.csv"
+    path.write_text('name,code,f,empty,at\nann,NA,nan,,2020-01-01 10:00:00\n"b, ""c""",NULL,'
+                    '1.5,,\n,N/A,,,1999-12-31 23:59:59\n')
+    ours = our_rows(Table.read_csv(str(path)))
+    theirs = duck_rows(con, f"select * from read_csv('{path}')")
+    assert_same_rows(ours, theirs)  # "NA", "NULL", "nan" are values, as in DuckDB
+    assert [row[-1] for row in ours] == [row[-1] for row in theirs]  # with the time of day
+    header = tmp_path / "header.csv"
+    header.write_text("a,b\n")
+    assert our_rows(Table.read_csv(str(header))) == duck_rows(con, f"select * from '{header}'")
+    assert [c.kind for c in Table.read_csv(str(header)).columns.values()] == ["str", "str"]
+
+
+@pytest.mark.parametrize("values, error, match", [
+    (pa.array([2**64 - 1, 1], pa.uint64()), OverflowError, r"column 'x' \(uint64\) holds 1844"),
+    (torch.tensor([2**63, 1], dtype=torch.uint64), OverflowError, r"column 'x' \(torch.uint64"),
+    (torch.tensor([1 + 2j]), TypeError, r"column 'x' is a torch.complex64 tensor"),
+    (pa.array([None, None], pa.null()), TypeError, r"column 'x' has Arrow type null.*only nulls"),
+    (pa.array([1, 2], pa.time32("s")), TypeError, r"column 'x' has Arrow type time32\[s\]"),
+    (pa.array([b"a"], pa.binary()), TypeError, r"column 'x' has Arrow type binary"),
+    ([1, "a"], pa.ArrowInvalid, r"column 'x': Could not convert 'a'"),
+])
+def test_columns_tables_do_not_hold_are_errors_naming_them(values, error, match):
+    with pytest.raises(error, match=match):
+        Table({"x": values})

@@ -47,6 +47,8 @@ def _check_kind(col: Column, how: str) -> None:
         return
     hint = {"bool": "sum counts the true values; where(b, 1.0, 0.0) gives numbers to average",
             "date": "min and max take dates; subtract a date to get days (ints)",
+            "timestamp": "min and max take timestamps",
+            "timestamptz": "min and max take timestamps",
             "str": "min, max and count take strings"}[col.kind]
     raise TypeError(f"cannot {how} {col.describe()}: {hint}")
 

@@ -32,8 +32,10 @@ from torchlevels.relational._ints import CHECKED, check_constant
 if TYPE_CHECKING:
     from torchlevels.relational._where import Selection
 
-KINDS = ("int", "float", "bool", "date", "str")
+KINDS = ("int", "float", "bool", "date", "timestamp", "timestamptz", "str")
 _EPOCH = datetime.date(1970, 1, 1)
+_EPOCH_TIME = datetime.datetime(1970, 1, 1)
+_TIMES = ("date", "timestamp")  # a date or datetime constant takes the kind of such a column
 _NUMERIC = ("int", "float", "bool")
 
 
@@ -77,24 +79,45 @@ def date_to_days(d: datetime.date) -> int:
     return (d - _EPOCH).days
 
 
+def to_microseconds(d: datetime.date) -> int:
+    """Microseconds since 1970-01-01 00:00, how timestamp columns store a time (a date is
+    its midnight; a datetime with a time zone is its UTC time, as timestamptz columns
+    hold it)."""
+    if not isinstance(d, datetime.datetime):
+        d = datetime.datetime.combine(d, datetime.time(0))
+    if d.utcoffset() is not None:
+        d = d.astimezone(datetime.timezone.utc).replace(tzinfo=None)
+    return (d - _EPOCH_TIME) // datetime.timedelta(microseconds=1)
+
+
+def _time_value(value: datetime.date, kind: str) -> int:
+    """A date or datetime constant as a column of ``kind`` stores it."""
+    return date_to_days(value) if kind == "date" else to_microseconds(value)
+
+
 def _describe(x: object) -> str:
     return x.describe() if isinstance(x, Column) else f"{x!r} ({_const_kind(x)})"
 
 
-def _const_kind(x: object) -> str:
+def _const_kind(x: object, column_kind: str | None = None) -> str:
+    """The kind of constant ``x``; next to a date or timestamp column (``column_kind``),
+    a date or a datetime without a time zone takes the column's kind, as SQL casts it."""
+    if isinstance(x, datetime.datetime):
+        kind = "timestamptz" if x.utcoffset() is not None else "timestamp"
+        return column_kind if kind in _TIMES and column_kind in _TIMES else kind
+    if isinstance(x, datetime.date):
+        return column_kind if column_kind in _TIMES else "date"
     if isinstance(x, bool):
         return "bool"
     if isinstance(x, int):
         return "int"
     if isinstance(x, float):
         return "float"
-    if isinstance(x, datetime.date):
-        return "date"
     if isinstance(x, str):
         return "str"
     raise TypeError(
         f"cannot use {x!r} ({type(x).__name__}) in a column expression: use an int, "
-        "float, bool, str, datetime.date or a Column"
+        "float, bool, str, datetime.date, datetime.datetime or a Column"
     )
 
 
@@ -130,12 +153,12 @@ def _common_kind(a: str, b: str, what: str) -> str:
 
 
 def _constant(value, col: Column):
-    """``value`` as an operand of an op with ``col``: dates as days, ints checked to fit
-    in 64 bits, and a float with an int or bool column as a float64 0-d tensor (torch
-    would compute in float32, SQL computes in DOUBLE)."""
-    kind = _const_kind(value)
-    if kind == "date":
-        return date_to_days(value)
+    """``value`` as an operand of an op with ``col``: dates as days, datetimes as
+    microseconds, ints checked to fit in 64 bits, and a float with an int or bool column
+    as a float64 0-d tensor (torch would compute in float32, SQL computes in DOUBLE)."""
+    kind = _const_kind(value, col.kind)
+    if kind in ("date", "timestamp", "timestamptz"):
+        return _time_value(value, kind)
     if kind == "int" and col.kind == "float":  # exact enough: SQL casts it to DOUBLE
         return value if -(2**63) <= value < 2**63 else float(value)
     if kind == "int":
@@ -296,6 +319,9 @@ class Column:
         v = self.values.item()
         if self.kind == "date":
             return _EPOCH + datetime.timedelta(days=int(v))
+        if self.kind in ("timestamp", "timestamptz"):
+            t = _EPOCH_TIME + datetime.timedelta(microseconds=int(v))
+            return t.replace(tzinfo=datetime.timezone.utc) if self.kind == "timestamptz" else t
         if self.kind == "str":
             return self.dictionary[int(v)].as_py()
         if self.kind == "bool":
@@ -310,7 +336,8 @@ class Column:
 
     # -- arrow ---------------------------------------------------------------------------
     def to_arrow(self) -> pa.Array:
-        """The values as an arrow array (strings decoded, dates as date32, nulls as null)."""
+        """The values as an arrow array (strings decoded, dates as date32, timestamps in
+        microseconds (timestamptz in UTC), nulls as null)."""
         values = self.values.reshape(-1).cpu()
         mask = None if self.valid is None else (~self.valid.reshape(-1)).cpu().numpy()
         if self.kind == "str":
@@ -319,6 +346,9 @@ class Column:
         if self.kind == "date":
             return pa.array(np_values.astype("int32"), type=pa.int32(), mask=mask).cast(
                 pa.date32())
+        if self.kind in ("timestamp", "timestamptz"):
+            tz = "UTC" if self.kind == "timestamptz" else None
+            return pa.array(np_values, mask=mask).cast(pa.timestamp("us", tz))
         return pa.array(np_values, mask=mask)
 
     # -- elementwise ops -----------------------------------------------------------------
@@ -346,7 +376,7 @@ class Column:
             return _combine(a, b, OPS[op](_values(a, op), _values(b, op)), kind, name)
         if compare:
             return _compare_const(self, other, op, symbol, flip, name)
-        ck = _const_kind(other)
+        ck = _const_kind(other, self.kind)
         kind = _result_kind(op, *((ck, self.kind) if flip else (self.kind, ck)))
         op = _checked(op, kind)
         c = _constant(other, self)
@@ -444,8 +474,8 @@ class Column:
 
     def fill_null(self, value) -> Column:
         """The column with nulls replaced by ``value`` (SQL's COALESCE)."""
-        kind = _common_kind(self.kind, _const_kind(value), f"coalesce({_describe(self)}, "
-                            f"{_describe(value)})")
+        kind = _common_kind(self.kind, _const_kind(value, self.kind),
+                            f"coalesce({_describe(self)}, {_describe(value)})")
         if self.valid is None:
             if kind == self.kind:
                 return self
@@ -666,21 +696,24 @@ def _broadcast(scalar: Column, like: Column) -> Column:
                   name=scalar.name)
 
 
-def _broadcast_const(like: Column, value) -> Column:
-    kind = _const_kind(value)
+def _broadcast_const(like: Column, value, column_kind: str | None = None) -> Column:
+    """``value`` as a column over ``like``'s rows, of the kind it takes next to a column of
+    ``column_kind`` (``like``'s kind unless given: see :func:`_const_kind`)."""
+    kind = _const_kind(value, column_kind or like.kind)
     if kind == "str":
         dictionary = pa.array([value], pa.string())
         return Column(torch.zeros_like(like.values, dtype=torch.int64), "str", dims=like.dims,
                       dictionary=dictionary, groups=like.groups, name=repr(value))
     if kind == "int":
         check_constant(value, f"a constant with {like.describe()}")
-    v = date_to_days(value) if kind == "date" else value
+    v = _time_value(value, kind) if kind in ("date", "timestamp", "timestamptz") else value
     return Column(torch.full_like(like.values, v, dtype=_DTYPES[kind]), kind, dims=like.dims,
                   groups=like.groups, name=repr(value))
 
 
 _DTYPES = {"int": torch.int64, "float": torch.float64, "bool": torch.bool,
-           "date": torch.int32, "str": torch.int64}
+           "date": torch.int32, "timestamp": torch.int64, "timestamptz": torch.int64,
+           "str": torch.int64}
 
 
 def _and_valid(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
@@ -719,7 +752,7 @@ def unify_dictionaries(dicts: list[pa.Array]) -> tuple[pa.Array, list[torch.Tens
 
 
 def _compare_const(col: Column, value, op, symbol, flip, name) -> Column:
-    kind = _const_kind(value)
+    kind = _const_kind(value, col.kind)
     if not ((col.kind in _NUMERIC and kind in _NUMERIC) or col.kind == kind):
         raise TypeError(f"cannot compare {col.describe()} with {_describe(value)} ('{symbol}')")
     if col.kind == "str":

@@ -4,7 +4,10 @@ Columns read from Arrow (and so from Parquet, CSV, pandas and lists) are made on
 default device.
 
 Integers stay integers (int64), decimals and floats become float64, dates are int32
-days since 1970-01-01, and strings are dictionary-encoded with a sorted dictionary.
+days since 1970-01-01, timestamps int64 microseconds since 1970-01-01 00:00 (those with a
+time zone as UTC instants, as DuckDB's TIMESTAMPTZ), and strings are dictionary-encoded
+with a sorted dictionary. A type that does not fit, or values that would change on the
+way, raise an error naming the column.
 """
 
 from __future__ import annotations
@@ -44,20 +47,41 @@ def column_from_arrow(arr: pa.Array | pa.ChunkedArray, name: str) -> Column:
         codes = rank[codes] if len(rank) else np.zeros(len(arr), np.int64)
         values = _tensor(codes.astype(np.int64))
         return Column(values, "str", valid=valid, dictionary=dictionary.take(order), name=name)
-    if pa.types.is_date(t) or pa.types.is_timestamp(t):
+    if pa.types.is_date(t):
         kind, arr = "date", arr.cast(pa.date32()).cast(pa.int32())
+    elif pa.types.is_timestamp(t):
+        kind, arr = "timestamptz" if t.tz else "timestamp", _microseconds(arr, name)
     elif pa.types.is_boolean(t):
         kind = "bool"
     elif pa.types.is_integer(t):
+        largest = pc.max(arr).as_py() if t == pa.uint64() else None
+        if largest is not None and largest > 2**63 - 1:
+            raise OverflowError(
+                f"column '{name}' (uint64) holds {largest}, past the largest value of int "
+                "columns (2**63 - 1): cast it to float64 first")
         kind, arr = "int", arr.cast(pa.int64())
     elif pa.types.is_floating(t) or pa.types.is_decimal(t):
         kind, arr = "float", arr.cast(pa.float64())
     else:
+        hint = ("it holds only nulls: cast it to the type it stands for"
+                if pa.types.is_null(t) else
+                "use int, float, decimal, bool, date, timestamp or string columns")
         raise TypeError(f"column '{name}' has Arrow type {t}, which tables do not support: "
-                        "use int, float, decimal, bool, date or string columns")
+                        f"{hint}")
     filled = arr.fill_null(False if kind == "bool" else 0) if arr.null_count else arr
     values = _tensor(filled.to_numpy(zero_copy_only=False).copy())
     return Column(values, kind, valid=valid, name=name)
+
+
+def _microseconds(arr: pa.Array, name: str) -> pa.Array:
+    """A timestamp array as int64 microseconds since 1970 (UTC instants where it has a
+    time zone); an error where that would drop nanoseconds or overflow."""
+    try:
+        return arr.cast(pa.timestamp("us", arr.type.tz)).cast(pa.int64())
+    except pa.ArrowInvalid as e:
+        raise ValueError(f"column '{name}' ({arr.type}) does not fit in timestamp columns, "
+                         f"which hold microseconds: {e}; round it to microseconds first "
+                         "(pyarrow.compute.floor_temporal)") from None
 
 
 def column_from_values(values, name: str) -> Column:
@@ -77,7 +101,17 @@ def column_from_values(values, name: str) -> Column:
             kind = "bool"
         elif values.is_floating_point():
             kind, values = "float", values.double()
+        elif values.is_complex():
+            raise TypeError(f"column '{name}' is a {values.dtype} tensor, which tables do not "
+                            "support: use int, float or bool tensors")
         else:
+            if values.dtype == torch.uint64 and bool((values.view(torch.int64) < 0).any()):
+                raise OverflowError(f"column '{name}' (torch.uint64) holds values past the "
+                                    "largest of int columns (2**63 - 1): use float64 values")
             kind, values = "int", values.long()
         return Column(values, kind, name=name)
-    return column_from_arrow(pa.array(values), name)
+    try:
+        array = pa.array(values)
+    except (pa.ArrowException, OverflowError) as e:
+        raise type(e)(f"column '{name}': {e}") from e
+    return column_from_arrow(array, name)

@@ -17,8 +17,8 @@ def _unknown(name: object, available: Sequence[str], where: str) -> KeyError:
 
 
 class Table:
-    """A table of named 1-D columns of one length: ints, floats, bools, dates, strings
-    (dictionary-encoded), each with nulls. Index it with a dim to get a row view.
+    """A table of named 1-D columns of one length: ints, floats, bools, dates, timestamps,
+    strings (dictionary-encoded), each with nulls. Index it with a dim to get a row view.
 
     Example::
 
@@ -58,14 +58,18 @@ class Table:
 
     @classmethod
     def read_csv(cls, path: str, delimiter: str = ",", **convert_options) -> Table:
-        """Read a CSV file with a header row; empty fields are nulls. ``convert_options``
-        go to ``pyarrow.csv.ConvertOptions`` (``column_types=``, ``null_values=``, ...)."""
+        """Read a CSV file with a header row; empty fields (only they, as in DuckDB) are
+        nulls, and a column of empty fields only is of strings. ``convert_options`` go to
+        ``pyarrow.csv.ConvertOptions`` (``column_types=``, ``null_values=``, ...)."""
         from pyarrow import csv
 
         convert_options.setdefault("strings_can_be_null", True)
-        return cls.from_arrow(csv.read_csv(
-            path, parse_options=csv.ParseOptions(delimiter=delimiter),
-            convert_options=csv.ConvertOptions(**convert_options)))
+        convert_options.setdefault("null_values", [""])  # Arrow's default has "NA", "nan"...
+        table = csv.read_csv(path, parse_options=csv.ParseOptions(delimiter=delimiter),
+                             convert_options=csv.ConvertOptions(**convert_options))
+        schema = pa.schema([pa.field(f.name, pa.string()) if pa.types.is_null(f.type) else f
+                            for f in table.schema])
+        return cls.from_arrow(table.cast(schema))
 
     @classmethod
     def from_pandas(cls, df) -> Table:

@@ -191,8 +191,8 @@ def _case(mask, x, y) -> Column:
     if not isinstance(mask, Column):
         raise TypeError(f"where(mask, x, y): mask must be a boolean column, got {mask!r}")
     mask._expect("bool", "where(mask, x, y)")
-    x = x if isinstance(x, Column) else _broadcast_const(mask, x)
-    y = y if isinstance(y, Column) else _broadcast_const(mask, y)
+    x = x if isinstance(x, Column) else _broadcast_const(mask, x, getattr(y, "kind", None))
+    y = y if isinstance(y, Column) else _broadcast_const(mask, y, x.kind)
     mask, x = _aligned(mask, x, "where")
     mask, y = _aligned(mask, y, "where")
     kind = _common_kind(x.kind, y.kind, f"where({mask.name}, {x.describe()}, {y.describe()})")
