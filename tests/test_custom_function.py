@@ -436,3 +436,141 @@ def test_imperative_levels():
     with tl.vmap() as B0, tl.vmap() as B1:
         out = B0.unwrap(B1.unwrap(ClippedMul.apply(B0(xs), B1(ys))))
     close(out, xs[:, None] * ys[None])
+
+
+class ProductOfList(torch.autograd.Function):
+    """The product of a list of tensors: tensors inside a list argument, which PyTorch does
+    not take as inputs of the Function (so its backward gives them no gradient)."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(xs, scale):
+        return xs[0] * xs[1] * scale
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, g):
+        return None, None
+
+
+class ProductOfListVmap(ProductOfList):
+    generate_vmap_rule = False
+
+    @staticmethod
+    def vmap(info, in_dims, xs, scale):
+        # in_dims follow the arguments' structure: ([d0, d1], None)
+        xs = [x.movedim(d, 0) if d is not None else x for x, d in zip(xs, in_dims[0])]
+        return ProductOfListVmap.apply(xs, scale), 0
+
+
+@pytest.mark.parametrize("fn", [ProductOfList, ProductOfListVmap], ids=lambda f: f.__name__)
+def test_tensors_in_a_list_argument(fn):
+    xs, y = torch.randn(3, 4), torch.randn(4)
+    close(tl.vmap(lambda x: fn.apply([x, y], 2.0))(xs),
+          tf.vmap(lambda x: fn.apply([x, y], 2.0))(xs))
+    close(tl.vmap(lambda x: fn.apply((x, x), 2.0), in_dims=1)(xs.T),
+          tf.vmap(lambda x: fn.apply((x, x), 2.0), in_dims=1)(xs.T))
+    if fn is ProductOfList:
+        close(tl.grad(lambda x: fn.apply([x, x], 2.0).sum())(y),
+              tf.grad(lambda x: fn.apply([x, x], 2.0).sum())(y))
+        close(tl.vmap(tl.grad(lambda x: fn.apply([x, y], 2.0).sum()))(xs),
+              tf.vmap(tf.grad(lambda x: fn.apply([x, y], 2.0).sum()))(xs))
+
+
+class ViewAsReversed(torch.autograd.Function):
+    """A gradient-reversal layer: ``x.view_as(x)`` whose backward and jvp negate. PyTorch
+    alone would want the jvp to return a view; torch.func takes the tangent as given."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x):
+        return x.view_as(x)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, g):
+        return -g
+
+    @staticmethod
+    def jvp(ctx, t):
+        return -t
+
+
+class PassThrough(torch.autograd.Function):
+    """Returns its first input as is and its second doubled; rules scale by 3 and 5."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x, y):
+        return x, y * 2
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, gx, gy):
+        return gx * 3, gy * 5
+
+    @staticmethod
+    def jvp(ctx, tx, ty):
+        return tx * 3, ty * 5
+
+
+@pytest.mark.parametrize("f", [
+    lambda x: ViewAsReversed.apply(x) * x,
+    lambda x: ViewAsReversed.apply(x[1:]),
+    lambda x: torch.cat(PassThrough.apply(x, x.sin())),
+], ids=["view_as", "view_of_a_view", "input_as_is"])
+def test_jvp_of_a_function_returning_a_view_or_an_input(f, x):
+    t = torch.ones_like(x)
+    close(tl.jvp(f, (x,), (t,)), tf.jvp(f, (x,), (t,)))
+    close(tl.jacfwd(f)(x), tf.jacfwd(f)(x))
+    xs = torch.stack([x, -x])
+    close(tl.vmap(tl.jacfwd(f))(xs), tf.vmap(tf.jacfwd(f))(xs))
+    g = lambda x: f(x).pow(2).sum()  # noqa: E731
+    close(tl.jacfwd(tl.jacrev(g))(x), tf.jacfwd(tf.jacrev(g))(x))
+
+
+class AddInto(torch.autograd.Function):
+    """x += y in place (ctx.mark_dirty), returning x and 2 y; rules scaled off the truth."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x, y):
+        x.add_(y)
+        return x, y * 2
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.mark_dirty(inputs[0])
+
+    @staticmethod
+    def backward(ctx, gx, gy):
+        return gx * 3, gx * 5 + gy * 2
+
+    @staticmethod
+    def jvp(ctx, tx, ty):
+        tx.mul_(3).add_(ty * 5)
+        return tx, ty * 2
+
+
+def test_mark_dirty_under_forward_over_reverse(x):
+    def f(x):
+        a, b = AddInto.apply(x.clone(), x.sin())
+        return (a * b).sum()
+
+    t = torch.ones_like(x)
+    close(tl.jvp(tl.grad(f), (x,), (t,)), tf.jvp(tf.grad(f), (x,), (t,)))
+    close(tl.jacfwd(tl.jacrev(f))(x), tf.jacfwd(tf.jacrev(f))(x))
+    close(tl.jvp(f, (x,), (t,)), tf.jvp(f, (x,), (t,)))

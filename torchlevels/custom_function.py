@@ -92,16 +92,24 @@ def install() -> None:
 # -- grad and jvp: one autograd node on the inner tensors ----------------------------------
 
 
-def _one_level_out(fn: type[Function], kwargs: dict) -> type[_SingleLevelFunction]:
-    """A Function with ``fn``'s rules whose forward redispatches ``fn`` one level out."""
+def _one_level_out(fn: type[Function], kwargs: dict,
+                   copy_views: bool = False) -> type[_SingleLevelFunction]:
+    """A Function with ``fn``'s rules whose forward redispatches ``fn`` one level out
+    (its outputs that alias an input copied if ``copy_views``; see :func:`_unaliased`)."""
     grad_on, fwd_grad_on = torch.is_grad_enabled(), torch._C._is_fwd_grad_enabled()
 
-    def forward(*inner):
+    def redispatch(*inner):
         if _deepest_level(inner) is None:  # plain tensors: nothing further out to record
             return fn.forward(*inner, **kwargs)
         # PyTorch's apply turned autograd off; enclosing levels record on their own tensors
         with torch.set_grad_enabled(grad_on), fwAD._set_fwd_grad_enabled(fwd_grad_on):
             return fn.apply(*inner, **kwargs)
+
+    def forward(*inner):
+        if not copy_views:
+            return redispatch(*inner)
+        versions = [t._version if isinstance(t, torch.Tensor) else None for t in inner]
+        return _unaliased(redispatch(*inner), inner, versions)
 
     def setup_context(ctx, inputs, output):
         return fn.setup_context(ctx, inputs, output)
@@ -118,6 +126,23 @@ def _one_level_out(fn: type[Function], kwargs: dict) -> type[_SingleLevelFunctio
                 {name: staticmethod(f) for name, f in rules.items()})
 
 
+def _unaliased(out: Any, inputs: tuple, versions: list) -> Any:
+    """``out`` with each view, and each input returned as is but not modified, copied.
+
+    PyTorch's forward AD wants ``jvp`` to return a view for such an output; torch.func takes
+    the tangent ``jvp`` gives (a straight-through ``x.view_as(x)`` whose jvp is ``-t``).
+    An input modified in place (``ctx.mark_dirty``) stays itself.
+    """
+    dirty = [t for t, v in zip(inputs, versions) if v is not None and t._version != v]
+
+    def one(o):
+        if not isinstance(o, torch.Tensor) or any(o is t for t in dirty):
+            return o
+        return o.clone() if o._is_view() or any(o is t for t in inputs) else o
+
+    return tuple(one(o) for o in out) if isinstance(out, tuple) else one(out)
+
+
 def _keep_identity(out: Any, inner: tuple, args: tuple, wrap) -> Any:
     """``wrap`` the outputs, except that an input returned as is stays the caller's object."""
     originals = {id(i): a for i, a in zip(inner, args) if isinstance(i, torch.Tensor)}
@@ -130,11 +155,19 @@ def _keep_identity(out: Any, inner: tuple, args: tuple, wrap) -> Any:
     return tuple(one(o) for o in out) if isinstance(out, tuple) else one(out)
 
 
+def _map_level(cls, f, a: Any, rest=lambda x: x) -> Any:
+    """``f`` of each tensor of level ``cls`` in ``a``, also inside lists and tuples (where
+    ``_deepest_level`` finds them too), and ``rest`` of anything else."""
+    if type(a) in (list, tuple):
+        return type(a)(_map_level(cls, f, x, rest) for x in a)
+    return f(a) if type(a) is cls else rest(a)
+
+
 def _grad_rule(G: type[LevelTensor], fn, args: tuple, kwargs: dict) -> Any:
     """Record ``fn.backward`` in G's graph, which lives on G's inner tensors."""
     level = G._level
     level.captures_tracked = level.captures_tracked or _captures_tracked(G, args)
-    inner = tuple(a._inner if type(a) is G else a for a in args)
+    inner = tuple(_map_level(G, lambda t: t._inner, a) for a in args)
     out = _one_level_out(fn, kwargs).apply(*inner)
     return _keep_identity(out, inner, args, lambda o: _wrap(G, o) if o.requires_grad else o)
 
@@ -143,8 +176,8 @@ def _jvp_rule(J: type[LevelTensor], fn, args: tuple, kwargs: dict) -> Any:
     """Apply ``fn`` to dual tensors, so forward AD calls ``fn.jvp``."""
     with _dual_level() as dual_level:
         duals = tuple(_to_dual(a, J, dual_level) for a in args)
-        out = _one_level_out(fn, kwargs).apply(*duals)
-        return _from_dual(J, out, dual_level)
+        out = _one_level_out(fn, kwargs, copy_views=True).apply(*duals)
+        return _keep_identity(out, duals, args, lambda o: _from_dual(J, o, dual_level))
 
 
 # -- vmap: the vmap staticmethod, or fn's rules run under vmap -----------------------------
@@ -162,8 +195,8 @@ def _vmap_rule(B: type[LevelTensor], fn, args: tuple, kwargs: dict) -> Any:
             "Run vmap on autograd.Function with kwarg-only Tensor args. Please do not pass "
             f"kwarg-only Tensors to autograd.Function. Got: {kwargs}"
         )
-    inner = tuple(a._inner if type(a) is B else a for a in args)
-    in_dims = tuple(a._bdim if type(a) is B else None for a in args)
+    inner = tuple(_map_level(B, lambda t: t._inner, a) for a in args)
+    in_dims = tuple(_map_level(B, lambda t: t._bdim, a, lambda x: None) for a in args)
     if fn.generate_vmap_rule:
         if _has_vmap_staticmethod(fn):
             raise RuntimeError(
@@ -211,13 +244,19 @@ def _per_output(out_dims: Any, n: int) -> tuple:
 def _under_vmap(func, tensors: tuple, dims: tuple, level: BatchLevel, ctx_of=None):
     """``func`` on ``tensors`` batched at ``dims`` in a fresh vmap level: (outputs, dims)."""
     with batch_level(level.randomness, level.batch_size) as B:
-        batched = tuple(t if d is None or not isinstance(t, torch.Tensor)
-                        else wrap_batched(B, t, d) for t, d in zip(tensors, dims))
+        batched = tuple(_batched(B, t, d) for t, d in zip(tensors, dims))
         out = func(B, *batched)
         outs = out if isinstance(out, tuple) else (out,)
         phys = tuple(o._inner if type(o) is B else o for o in outs)
         out_dims = tuple(o._bdim if type(o) is B else None for o in outs)
     return phys, out_dims
+
+
+def _batched(B, t: Any, dim: Any) -> Any:
+    """``t`` batched at ``dim`` at level ``B``, ``dim`` a tree like ``t`` (lists, tuples)."""
+    if type(t) in (list, tuple) and dim is not None:
+        return type(t)(_batched(B, x, d) for x, d in zip(t, dim))
+    return t if dim is None or not isinstance(t, torch.Tensor) else wrap_batched(B, t, dim)
 
 
 class _BatchedCtx:
