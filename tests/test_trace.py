@@ -252,3 +252,44 @@ def test_compile_with_inductor_equals_eager():
     compiled = tl.compile(tl.vmap(tl.hessian(f)), backend="inductor")
     for _ in range(2):
         torch.testing.assert_close(compiled(xs), tf.vmap(tf.hessian(f))(xs))
+
+
+def test_trace_and_compile_refuse_values_read_with_no_aten_op():
+    # .tolist() and .numpy() read memory directly: make_fx saw no op and baked the values in
+    for reads in (lambda x: x * x.tolist()[0], lambda x: x * float(x.numpy()[0])):
+        with pytest.raises(tl.DataDependentError, match="reads a tensor.s value"):
+            tl.trace(reads)(torch.randn(3))
+        with pytest.raises(tl.DataDependentError, match="reads a tensor.s value"):
+            tl.compile(reads)(torch.randn(3))
+
+
+def test_compile_traces_again_when_one_tensor_is_passed_for_two_arguments():
+    def f(a, b):  # make_fx traces f(x, x) with one input, read for both arguments
+        a.add_(1)
+        return a * 2 + b
+
+    compiled = tl.compile(f)
+    for same in (True, False, True):
+        x, y = torch.randn(3), torch.randn(3)
+        x_eager, y_eager = x.clone(), y.clone()
+        if same:
+            torch.testing.assert_close(compiled(x, x), f(x_eager, x_eager))
+        else:
+            torch.testing.assert_close(compiled(x, y), f(x_eager, y_eager))
+        torch.testing.assert_close(x, x_eager)
+    assert len(compiled.cache) == 2
+
+
+def test_compile_traces_again_for_a_storage_offset_that_an_as_strided_view_holds():
+    # vmap's as_strided rule passes each example's storage offset, which the graph holds
+    f = tl.vmap(lambda x: x.as_strided((2,), (1,)))
+    compiled = tl.compile(f)
+    base = torch.arange(12.0).reshape(2, 6)
+    for start in (0, 3, 0):
+        x = base[:, start:start + 3]
+        torch.testing.assert_close(compiled(x), tf.vmap(lambda x: x.as_strided((2,), (1,)))(x))
+    assert len(next(iter(compiled.cache.values()))) == 2
+    plain = tl.compile(lambda x: x.sin())  # no as_strided: one trace for every offset
+    for start in (0, 3):
+        plain(base[:, start:start + 3])
+    assert len(next(iter(plain.cache.values()))) == 1

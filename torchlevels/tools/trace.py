@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +19,7 @@ import torch
 from torch.fx import GraphModule
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.modules.module import register_module_forward_pre_hook
+from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from torchlevels._level import LevelTensor
@@ -38,11 +39,14 @@ def trace(func: Callable) -> Callable[..., GraphModule]:
     ``args``, traced through every transform inside ``f`` (vmap, grad, jvp, user levels).
 
     The graph takes the tensors of ``args`` (and of ``kwargs``), flattened in pytree order,
-    and returns ``f``'s tensor outputs, flattened; tensors ``f`` captures are constants of
-    the graph (the same objects, so updating them in place is seen). Non-tensor arguments
-    are fixed at their traced values. Raises :class:`DataDependentError` if ``f`` reads a
-    tensor's value into Python (``.item()``, ``if t:``, ``.tolist()``): the graph would
-    hold the branch taken for these inputs only. Call it outside every transform.
+    and returns ``f``'s outputs, flattened (non-tensor ones as constants); tensors ``f``
+    captures are constants of the graph (the same objects, so updating them in place is
+    seen). Non-tensor arguments are fixed at their traced values, and so is aliasing (a
+    tensor passed twice is traced as one, so the graph of ``f(x, x)`` reads one of its two
+    inputs), and the storage offset an ``as_strided`` under vmap reads from an input.
+    Raises :class:`DataDependentError` if ``f`` reads a tensor's value into Python
+    (``.item()``, ``if t:``, ``.tolist()``, ``.numpy()``): the graph would hold the branch
+    taken for these inputs only. Call it outside every transform.
 
     Example::
 
@@ -86,7 +90,8 @@ def _trace(func: Callable, args: tuple, kwargs: dict) -> tuple[GraphModule, Any,
         return outputs
 
     try:
-        gm = make_fx(flat_func)(*(flat[i] for i in tensors))
+        with _RefuseValueReads(func):
+            gm = make_fx(flat_func)(*(flat[i] for i in tensors))
     except RuntimeError as e:
         if "data-dependent" not in str(e):
             raise
@@ -114,6 +119,22 @@ def _drop_aliases(gm: GraphModule) -> None:
 
 # Ops that hand a tensor's values (not its metadata) to Python.
 _READS_VALUES = {aten._local_scalar_dense.default, aten.equal.default, aten.is_nonzero.default}
+
+
+class _RefuseValueReads(TorchFunctionMode):
+    """Raises on the reads of tensor values that run no aten op (``.tolist()``, ``.numpy()``):
+    make_fx, a dispatch mode, would not see them and the graph would hold the values read."""
+
+    _READS = {torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.__array__}
+
+    def __init__(self, func: Callable) -> None:
+        super().__init__()
+        self.func = func
+
+    def __torch_function__(self, f, types, args=(), kwargs=None):
+        if f in self._READS:
+            raise DataDependentError(_data_dependent(self.func, f"Tensor.{f.__name__}"))
+        return f(*args, **(kwargs or {}))
 
 
 def _check_no_python_values(gm: GraphModule, func: Callable) -> None:
@@ -148,30 +169,36 @@ class CompiledFunction:
             flat, spec = args, len(args)  # the common case, without pytree's cost (~40 us)
         else:
             flat, spec = tree_flatten((args, kwargs))
-        key = (spec, torch.is_grad_enabled(), *(_signature(a) for a in flat))
+        key = (spec, torch.is_grad_enabled(), _aliasing(flat), *(_signature(a) for a in flat))
         traces = self.cache.setdefault(key, [])
-        entry = next((t for t in traces if t.holds()), None)
+        entry = next((t for t in traces if t.holds(flat)), None)
         if entry is not None:
             return tree_unflatten(entry.run(*(flat[i] for i in entry.tensors)), entry.out_spec)
         with _modules_run() as modules:
             gm, out_spec, outputs = _trace(self.func, args, kwargs)
         tensors = [i for i, a in enumerate(flat) if isinstance(a, torch.Tensor)]
-        run = _backend(gm, self.backend, [flat[i] for i in tensors])
-        traces.append(_Trace(run, out_spec, tensors, modules))
+        inputs = [flat[i] for i in tensors]
+        run = _backend(gm, self.backend, inputs)
+        traces.append(_Trace(run, out_spec, tensors, modules, _storage_offsets(gm, inputs)))
         return tree_unflatten(outputs, out_spec)  # the traced run's: it wrote in place
 
 
 @dataclass
 class _Trace:
-    """A replayable trace, and the modules whose ``training`` flag it was traced with
-    (train and eval take different branches: dropout, batch norm)."""
+    """A replayable trace, the modules whose ``training`` flag it was traced with (train
+    and eval take different branches: dropout, batch norm), and the storage offsets of its
+    inputs where the graph holds them."""
 
     run: Callable
     out_spec: Any
     tensors: list[int]  # which flattened arguments are the graph's inputs
     modules: list[tuple[weakref.ref, bool]]
+    offsets: tuple[int, ...] | None
 
-    def holds(self) -> bool:
+    def holds(self, flat: Sequence) -> bool:
+        if self.offsets is not None and self.offsets != tuple(
+                flat[i].storage_offset() for i in self.tensors):
+            return False
         for ref, training in self.modules:
             module = ref()
             if module is None or module.training is not training:
@@ -196,6 +223,19 @@ def _modules_run() -> Iterator[list[tuple[weakref.ref, bool]]]:
         modules.extend(seen.values())
 
 
+_AS_STRIDED = {aten.as_strided.default, aten.as_strided_.default, aten.as_strided_copy.default,
+               aten.as_strided_scatter.default}
+
+
+def _storage_offsets(gm: GraphModule, inputs: list) -> tuple[int, ...] | None:
+    """The inputs' storage offsets if the graph has an as_strided view, whose offset may be
+    one read from an input (vmap's rule passes the example's): another offset would view
+    other elements. Else None: the graph holds no offset."""
+    if any(n.op == "call_function" and n.target in _AS_STRIDED for n in gm.graph.nodes):
+        return tuple(t.storage_offset() for t in inputs)
+    return None
+
+
 def _backend(gm: GraphModule, backend: str | Callable | None, inputs: list) -> Callable:
     """The graph as it will be replayed: as is, through inductor, or through torch.compile."""
     if backend is None:
@@ -206,6 +246,15 @@ def _backend(gm: GraphModule, backend: str | Callable | None, inputs: list) -> C
 
         return compile_fx(gm, inputs)
     return torch.compile(gm, backend=backend)
+
+
+def _aliasing(flat: Sequence) -> tuple[int, ...] | None:
+    """Which tensor arguments are one object, if any are: make_fx traces a tensor passed twice
+    as one input, so the graph of ``f(x, x)`` does not stand for ``f(x, y)``."""
+    ids = [id(a) for a in flat if isinstance(a, torch.Tensor)]
+    if len(set(ids)) == len(ids):
+        return None
+    return tuple(ids.index(i) for i in ids)
 
 
 def _signature(a: Any) -> Any:
@@ -228,8 +277,10 @@ def _signature(a: Any) -> Any:
 
 def compile(func: Callable, backend: str | Callable | None = None) -> Callable:
     """``f`` traced once per input signature (the pytree structure, each tensor's shape,
-    strides, dtype, device and requires_grad, every other argument's value, grad mode) and
-    replayed from the cached graph: the ops of ``f`` with none of the Python per op.
+    strides, dtype, device and requires_grad, which tensor arguments are the same object,
+    every other argument's value, grad mode; storage offsets too for a graph with an
+    ``as_strided`` view) and replayed from the cached graph: the ops of
+    ``f`` with none of the Python per op.
 
     A trace also holds the ``training`` flag of every module ``f`` calls: after
     ``model.eval()`` the next call traces again (dropout and batch norm take other
