@@ -85,6 +85,42 @@ def test_count_flops_counts_forward_and_backward_of_vmap_grad():
     assert cf.total == mode.get_total_flops()
 
 
+
+def _products(graph_module):
+    return sorted(str(n.target) for n in graph_module.graph.nodes if n.op == "call_function"
+                  and any(k in str(n.target) for k in ("mm", "mv", "dot", "conv")))
+
+
+_SEEN_AS_RUN = {  # (function, its arguments, in_dims): the batched vector or matrix cases
+    "matrix @ vector": (torch.matmul, (torch.randn(3, 4, 5), torch.randn(5)), (0, None)),
+    "vector @ vector": (torch.matmul, (torch.randn(3, 5), torch.randn(5)), (0, None)),
+    "batch @ broadcast": (torch.matmul, (torch.randn(3, 2, 4, 5), torch.randn(3, 5, 6)), 0),
+    "linear": (lambda x, w: F.linear(x, w), (torch.randn(3, 7, 5), torch.randn(6, 5)),
+               (0, None)),
+    "conv2d": (lambda x, w: F.conv2d(x, w), (torch.randn(3, 2, 3, 8, 8),
+                                             torch.randn(4, 3, 3, 3)), (0, None)),
+    "grad of vector @ batch": (
+        tl.grad(lambda a, b: torch.matmul(a, b).sin().sum(), argnums=(0, 1)),
+        (torch.randn(3), torch.randn(4, 1, 3, 3)), (None, 0)),
+}
+
+
+@pytest.mark.parametrize("name", list(_SEEN_AS_RUN))
+def test_count_flops_outside_vmap_counts_the_ops_that_run_without_it(name):
+    # the counter's level must not change how vmap and grad batch the calls inside it:
+    # the reference is the graph of the plain ops they run with no tool outside (make_fx)
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    f, args, in_dims = _SEEN_AS_RUN[name]
+    transformed = tl.vmap(f, in_dims=in_dims)
+    plain_ops = make_fx(transformed)(*args)
+    with FlopCounterMode(display=False) as mode:
+        plain_ops(*args)
+    counted = tl.count_flops(transformed)
+    counted(*args)
+    assert counted.total == mode.get_total_flops()
+    assert _products(make_fx(tl.count_flops(transformed))(*args)) == _products(plain_ops)
+
 @pytest.mark.parametrize("transform", ["jacrev", "jacfwd", "hessian"])
 def test_count_flops_counts_jacobians_and_hessians(transform):
     w = torch.randn(6, 6, dtype=torch.float64)

@@ -126,7 +126,7 @@ class LevelTensor(torch.Tensor):
     _level: Level
     _inner: torch.Tensor
     __torch_function__ = _disabled_torch_function
-    _has_torch_function = False  # whether the class answers calls in __torch_function__
+    _has_torch_function = False  # whether it answers calls in __torch_function__ (no tool does)
 
     def __new__(cls, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         """``B(t, ...)``: ``t`` as a tensor of level ``B`` (for vmap: ``B(t, dim=0)``)."""

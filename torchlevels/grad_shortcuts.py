@@ -89,7 +89,7 @@ def _on_inner(cls, func, args, kwargs) -> Any:
                 return None  # autograd outside records on the wrapper itself
             a = a._inner
             t = type(a)
-            if t in _PLAIN:
+            if t in _PLAIN or not t._has_torch_function:  # plain, or a tool's
                 found[1] = found[1] or requires_grad_flag(a)
             else:
                 found[0] = True
@@ -149,8 +149,8 @@ def _inner_of(cls, a: Any, found: list) -> Any:
         if isinstance(a, torch.Tensor):
             return _DECLINE  # of a deeper or an unrelated level, or a foreign subclass
         return a  # a number, a dtype, None...
-    if t in _PLAIN:  # an inner tensor, or one unbatched here (a captured tensor)
-        found[1] = found[1] or requires_grad_flag(a)
+    if t in _PLAIN or not t._has_torch_function:  # an inner tensor, or one unbatched
+        found[1] = found[1] or requires_grad_flag(a)  # here (a captured tensor), or a tool's
     else:
         found[0] = True
     return a

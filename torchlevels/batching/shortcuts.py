@@ -156,11 +156,10 @@ def _own(cls, a: Any) -> torch.Tensor | None:
 
 
 def _passable(a: Any) -> bool:
-    """Whether tensor ``a``, without grad, is plain or of an enclosing vmap level (whose
-    own shortcuts or rules then take the call)."""
-    t = type(a)
-    return (t in _PLAIN or (issubclass(t, LevelTensor) and t._has_torch_function)) and (
-        not a.requires_grad)
+    """Whether tensor ``a``, without grad, is plain or of an enclosing level (whose own
+    shortcuts or rules then take the call, or, for a tool, its ``__torch_dispatch__``, so
+    it sees the ops that run without it)."""
+    return (type(a) in _PLAIN or isinstance(a, LevelTensor)) and not a.requires_grad
 
 
 def _unbatched(cls, a: Any) -> bool:
@@ -668,8 +667,7 @@ def like(cls, func, args, kwargs):
             torch.preserve_format) or not _unbatched_rest(cls, args, kwargs):
         return None
     inner = a._inner
-    t = type(inner)
-    if not (t in _PLAIN or (issubclass(t, LevelTensor) and t._has_torch_function)):
+    if not (type(inner) in _PLAIN or isinstance(inner, LevelTensor)):
         return None
     return wrap_front(cls, _call(func, (inner, *args[1:]), kwargs))
 
