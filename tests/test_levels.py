@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.func
 from torch.func import vmap as func_vmap
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
 import torchlevels
@@ -182,6 +183,52 @@ def test_a_bare_subclass_counts_as_a_plain_tensor(transform):
     ours, theirs = run(torchlevels), run(torch.func)
     torch.testing.assert_close(ours.as_subclass(torch.Tensor), theirs.as_subclass(torch.Tensor))
 
+
+
+class _Matmuls(TorchDispatchMode):
+    """A user's dispatch mode: counts the plain matmuls, and if ``decline``, lets tensor
+    subclasses handle their ops first, as a mode composing with subclasses does."""
+
+    def __init__(self, decline: bool):
+        super().__init__()
+        self.decline, self.matmuls = decline, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.decline and any(t is not torch.Tensor for t in types):
+            return NotImplemented
+        self.matmuls += func in (torch.ops.aten.mm.default, torch.ops.aten.mv.default,
+                                 torch.ops.aten.bmm.default, torch.ops.aten.dot.default)
+        return func(*args, **(kwargs or {}))
+
+
+_UNDER_A_MODE = {
+    "vmap": lambda lib, f, x: lib.vmap(f)(x),
+    "grad": lambda lib, f, x: lib.grad(lambda x: f(x).sum())(x[0]),
+    "vmap(grad)": lambda lib, f, x: lib.vmap(lib.grad(lambda x: f(x).sum()))(x),
+    "jvp": lambda lib, f, x: lib.jvp(f, (x,), (x.cos(),)),
+    "jacfwd": lambda lib, f, x: lib.jacfwd(f)(x[0]),
+    "jacrev": lambda lib, f, x: lib.jacrev(f)(x[0]),
+    "vjp": lambda lib, f, x: lib.vjp(f, x)[1](x.cos()),
+}
+
+
+@pytest.mark.parametrize("transform", list(_UNDER_A_MODE))
+@pytest.mark.parametrize("decline", [False, True], ids=["takes every op", "declines subclasses"])
+def test_transforms_run_under_a_users_dispatch_mode(transform, decline):
+    """A mode around a transform gets the transform's results (forward AD under a mode that
+    passes the op on had hit an internal assert in PyTorch); one that declines subclasses
+    sees the plain ops under every level, as it does around torch.func."""
+    w = torch.randn(4, 4)
+    f = lambda x: (x @ w).sin()  # noqa: E731
+    x = torch.randn(3, 4)
+    run = _UNDER_A_MODE[transform]
+    with _Matmuls(decline) as ours:
+        out = run(torchlevels, f, x)
+    with _Matmuls(decline) as theirs:
+        expected = run(torch.func, f, x)
+    torch.testing.assert_close(out, expected)
+    if decline:
+        assert ours.matmuls == theirs.matmuls > 0
 
 def test_memory_flat_over_10000_calls():
     f = vmap(lambda x: (x * 2 + 1).sum())

@@ -39,6 +39,10 @@ preserved_dispatch_keys = torch._C._PreserveDispatchKeyGuard
 _autograd_excluded = torch._C._dispatch_tls_is_dispatch_key_excluded
 _set_excluded = torch._C._dispatch_tls_set_dispatch_key_excluded
 _restore_tls = torch._C._RestorePythonTLSSnapshot
+_PYTHON_KEYS = (torch._C.DispatchKey.Python, torch._C.DispatchKey.PythonTLSSnapshot)
+_python_key_included = torch._C._dispatch_tls_is_dispatch_key_included
+_set_included = torch._C._dispatch_tls_set_dispatch_key_included
+_dispatch_modes = torch._C._len_torch_dispatch_stack
 _no_subclass_torch_function = torch._C.DisableTorchFunctionSubclass
 _disabled_torch_function = torch._C._disabled_torch_function_impl
 # PyTorch's own requires_grad flag, which autograd reads: on a level's tensor it says
@@ -194,7 +198,9 @@ class autograd_on:  # lower case: used like a function, `with autograd_on():`
     PyTorch takes the snapshot below autograd for an op with Python kernels that make_fx's
     Python dispatcher runs (``ones_like`` under ``trace``): autograd's keys, and the
     ADInplaceOrView key that ``make_dual`` needs, are let back in then. Inference mode
-    excludes autograd itself, and is respected.
+    excludes autograd itself, and is respected. A user's ``TorchDispatchMode`` that passed
+    the op on from its own ``__torch_dispatch__`` is off the stack until that returns, so
+    the Python key its snapshot includes is left out (PyTorch would find no mode there).
     """
 
     __slots__ = ("_snapshot",)
@@ -202,6 +208,9 @@ class autograd_on:  # lower case: used like a function, `with autograd_on():`
     def __enter__(self) -> None:
         self._snapshot = _restore_tls()
         self._snapshot.__enter__()  # its exit restores every key changed below
+        if _python_key_included(_PYTHON_KEYS[0]) and not _dispatch_modes():
+            for key in _PYTHON_KEYS:
+                _set_included(key, False)
         if _autograd_excluded(_AD_INPLACE_OR_VIEW):
             _set_excluded(_AD_INPLACE_OR_VIEW, False)
         if _autograd_excluded(_AUTOGRAD) and not torch.is_inference_mode_enabled():
