@@ -21,6 +21,9 @@ class DimensionMismatchError(Exception):
     raises DimensionBindError, as torchlevels.dim does)."""
 
 
+_created = 0  # dims made so far (Dim._level)
+
+
 class Dim(_Tensor):
     """A first-class dimension. Its size is bound on first use (or set once); as a tensor it
     is the tensor of its own indices (``0 .. size - 1``) along itself.
@@ -35,10 +38,15 @@ class Dim(_Tensor):
         (torch.Size([3, 2]), 2, 3)
     """
 
-    __slots__ = ("_name", "_size", "_ranges")
+    __slots__ = ("_name", "_size", "_ranges", "_level")
 
     def __init__(self, name: str, size: int | None = None) -> None:
+        global _created
         self._name = name
+        # creation order: functorch.dim nests an op's vmap levels in this order, so the
+        # dims of a batched op's result come in it (see _ops.batched)
+        self._level = _created
+        _created += 1
         self._size = -1
         self._ranges: dict[torch.device, torch.Tensor] = {}
         if size is not None:

@@ -11,7 +11,7 @@ import torch
 from torchlevels.dim._base import _Tensor
 from torchlevels.dim._dims import Dim, DimensionBindError
 from torchlevels.dim._getitem import getitem
-from torchlevels.dim._ops import Tensor, batched, find, order, storage, wrap
+from torchlevels.dim._ops import Tensor, batched, find, order, reorder, storage, union, wrap
 from torchlevels.dim._ops import index as _index
 
 
@@ -27,7 +27,9 @@ def softmax(input: Any, dim: Any, *args: Any, **kwargs: Any) -> Any:
         >>> torch.allclose(softmax(x[i, j], dim=j).order(i, j), x.softmax(1))
         True
     """
-    return torch.nn.functional.softmax(input, dim, *args, **kwargs)
+    out = torch.nn.functional.softmax(input, dim, *args, **kwargs)
+    # over a positional dim, the dims stay in order (functorch.dim's softmax is a method's)
+    return reorder(out, input._dims) if isinstance(input, Tensor) else out
 
 
 def stack(tensors: Sequence[Any], new_dim: Dim, dim: int = 0) -> Any:
@@ -42,8 +44,14 @@ def stack(tensors: Sequence[Any], new_dim: Dim, dim: int = 0) -> Any:
         >>> torch.equal(stack([a[i], b[i]], s).order(s, i), torch.stack([a, b]))
         True
     """
-    t = torch.stack(list(tensors), dim)
-    return getitem(t, (*[slice(None)] * (dim % t.ndim), new_dim))
+    tensors = list(tensors)
+    t = torch.stack(tensors, dim)
+    out = getitem(t, (*[slice(None)] * (dim % t.ndim), new_dim))
+    # functorch.dim's order: the union of the tensors' dims, with the new dim first when it
+    # stacks at dim 0 (else after them: it goes where positional ``dim`` is, and the
+    # positional dims follow the first-class ones here)
+    dims = union(tensors)[0]
+    return reorder(out, (new_dim, *dims) if dim == 0 else (*dims, new_dim))
 
 
 def cat(tensors: Sequence[Any], dim: Any, new_dim: Dim) -> Any:
@@ -65,7 +73,14 @@ def cat(tensors: Sequence[Any], dim: Any, new_dim: Dim) -> Any:
         raise ValueError(f"cat: {len(tensors)} tensors but {len(dims)} dims")
     parts = [order(t, (d,)) if isinstance(t, _Tensor) else t.movedim(d, 0)
              for t, d in zip(tensors, dims)]
-    return getitem(torch.cat(parts, 0), (new_dim,))
+    out = getitem(torch.cat(parts, 0), (new_dim,))
+    # functorch.dim's order (cat is stack then index): the union of the tensors' dims with
+    # the new dim where the concatenated dim is, first for positional dim 0, else last
+    union_dims = union(tensors)[0]
+    if isinstance(dim, int):
+        return reorder(out, (new_dim, *union_dims) if dim == 0 else (*union_dims, new_dim))
+    at = min((k for k, d in enumerate(union_dims) if any(d is e for e in dims)), default=0)
+    return reorder(out, (*union_dims[:at], new_dim, *union_dims[at:]))
 
 
 def stack_positional(tensors: Sequence[Any], dim: Any = 0, **kwargs: Any) -> Any:

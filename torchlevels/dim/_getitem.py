@@ -15,7 +15,7 @@ import torch
 from torchlevels.dim import _lookup
 from torchlevels.dim._base import _Tensor
 from torchlevels.dim._dims import Dim, DimensionBindError, DimList
-from torchlevels.dim._ops import Tensor, align, find, storage, union, wrap
+from torchlevels.dim._ops import Tensor, align, find, reorder, storage, union, wrap
 
 _SPLIT = "split"
 
@@ -31,8 +31,54 @@ def getitem(x: Any, index: Any) -> Any:
     t, items = _parse(t, own, index)
     if any(_is_advanced(i) for i in items):
         lookup = _lookup.delayed(t, own, items, lambda: _gather(t, own, items))
-        return lookup if lookup is not None else _gather(t, own, items)
-    return _view(t, own, items)
+        if lookup is not None:
+            return lookup
+        return reorder(_gather(t, own, items), functorch_order([*own, *items]))
+    out = _view(t, own, items)
+    if isinstance(out, Tensor) and len(out._dims) < len(own) + sum(
+            type(i) is Dim for i in items):  # a dim named twice: a diagonal
+        return reorder(out, functorch_order([*own, *items]))
+    return out
+
+
+def functorch_order(entries: list) -> tuple:
+    """The order functorch.dim gives the dims of ``x[entries]``, with one entry per axis
+    of ``x`` (its dims, then its positional dims: a dim, a tensor index, an int, a slice
+    or None). A dim used once stays where it is; the dims of the tensor indices, and those
+    used more than once (indices too), go together, in order of first use, where the first
+    tensor index is, if the tensor indices are adjacent, else first (as torch places the
+    positional dims of the indices)."""
+    flat = [d for e in entries
+            for d in (e if isinstance(e, (tuple, list)) and e and all(
+                type(x) is Dim for x in e) else (e,))]
+    uses: dict = {}
+    for e in flat:
+        for d in (e,) if type(e) is Dim else e._dims if isinstance(e, _Tensor) else ():
+            uses[id(d)] = uses.get(id(d), 0) + 1
+    kept: list = []
+    indices: list = []
+    level = 0  # result axes so far, dims and positional
+    insert, at = -1, 0
+
+    def mark() -> None:
+        nonlocal insert, at
+        if insert == -1:
+            insert, at = level, len(kept)
+        elif insert != level:
+            insert, at = 0, 0
+
+    for e in flat:
+        if type(e) is Dim and uses[id(e)] == 1:
+            kept.append(e)
+            level += 1
+        elif type(e) is Dim or _is_advanced(e):
+            mark()
+            for d in (e,) if type(e) is Dim else e._dims if isinstance(e, _Tensor) else ():
+                if find(tuple(indices), d) < 0:
+                    indices.append(d)
+        elif not isinstance(e, int):
+            level += 1  # a slice or None: a positional axis
+    return (*kept[:at], *indices, *kept[at:])
 
 
 def _bind_all(t: torch.Tensor, own: tuple, index: Any) -> Tensor | None:

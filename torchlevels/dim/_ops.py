@@ -184,7 +184,81 @@ def torch_function(func, args: tuple, kwargs: dict) -> Any:
             return out
     if is_pointwise(func) or _pointwise_call(func, args, kwargs):
         return pointwise(func, args, kwargs)
+    if func in _keeps_order() and _dim_given(func, args, kwargs):
+        # functorch.dim runs these methods on the tensor itself, its dims left in order
+        return tree_map(lambda o: reorder(o, args[0]._dims), batched(func, args, kwargs))
+    if func in _order_rules()[1]:
+        out = batched(func, args, kwargs)
+        dims = union(tree_flatten((args, kwargs))[0])[0]
+        return tree_map(lambda o: reorder(o, dims), out)
     return batched(func, args, kwargs)
+
+
+# -- the order of a result's dims, as functorch.dim gives it ------------------------------
+# Its pointwise ops (a list of its own) align the inputs to the union of their dims; its
+# Tensor methods below that are given a dim keep the tensor's dims in order; every other op
+# runs under one vmap level per dim, nested in creation order, and its dims come in the
+# order the batching rule leaves the batch dims (creation order when it moves them to the
+# front, as binary ops do; the input's order when it keeps them in place, as unary ops do).
+# batched() follows the batch dims; these tables name where the two libraries' lists differ.
+_KEEPS_ORDER = (
+    "mean", "sum", "all", "amax", "amin", "aminmax", "any", "count_nonzero", "logsumexp",
+    "nanmean", "nansum", "prod", "std", "var", "max", "min", "argmax", "argmin", "kthvalue",
+    "median", "nanmedian", "mode", "sort", "argsort", "unbind", "chunk", "cummax", "cummin",
+    "cumprod", "cumprod_", "cumsum", "cumsum_", "logcumsumexp", "renorm", "softmax",
+)
+_DIM_AFTER = {"chunk": 2, "renorm": 2}  # where the dim argument is (else 1)
+# pointwise here, under vmap in functorch.dim (their batching rules move the batch dims
+# to the front: creation order); torch.mul and Tensor.mul too (see _reduce.mul)
+_VMAPPED = ("fmax", "fmin", "logaddexp", "logaddexp2", "masked_fill", "max", "min")
+# under vmap here, pointwise in functorch.dim (the union's order)
+_ALIGNED = ("floor_divide", "__floordiv__", "__rfloordiv__", "isclose", "isreal", "kron",
+            "outer", "addr", "polar", "trapz", "prelu", "dropout", "feature_dropout",
+            "threshold", "glu", "hardswish", "logsigmoid")
+
+
+@functools.cache
+def _keeps_order() -> dict:
+    """functorch.dim's Tensor methods that take a dim and keep the dims' order (and
+    torch.softmax), each with the position of its dim argument."""
+    table = {getattr(torch.Tensor, n): _DIM_AFTER.get(n, 1) for n in _KEEPS_ORDER}
+    table[torch.softmax] = 1
+    return table
+
+
+def _dim_given(func, args: tuple, kwargs: dict) -> bool:
+    """Whether the call names its dims as ints (dims themselves take ``_reduce``'s path)."""
+    if not args or not isinstance(args[0], Tensor):
+        return False
+    at = _keeps_order()[func]
+    d = kwargs.get("dim", args[at] if len(args) > at else None)
+    return isinstance(d, int) or (
+        isinstance(d, (tuple, list)) and len(d) > 0 and all(isinstance(e, int) for e in d))
+
+
+@functools.cache
+def _order_rules() -> tuple[frozenset, frozenset]:
+    """(ops pointwise here that functorch.dim vmaps, ops vmapped here that it aligns)."""
+    def funcs(names):
+        found = {getattr(owner, n, None) for n in names
+                 for owner in (torch.Tensor, torch, torch.nn.functional)}
+        return frozenset(f for f in found if f is not None)
+
+    return funcs(_VMAPPED) | {torch.Tensor.where}, funcs(_ALIGNED)
+
+
+def reorder(o: Any, dims: tuple) -> Any:
+    """``o`` (any value) with its dims in their order in ``dims`` (a view; dims of ``o``
+    not in ``dims`` follow, in their order)."""
+    if not isinstance(o, Tensor) or len(o._dims) < 2:
+        return o
+    want = [d for d in dims if find(o._dims, d) >= 0]
+    want += [d for d in o._dims if find(dims, d) < 0]
+    if same(tuple(want), o._dims):
+        return o
+    perm = [find(o._dims, d) for d in want]
+    t = o._tensor
+    return Tensor(t.permute(*perm, *range(len(perm), t.ndim)), tuple(want))
 
 
 @functools.cache
@@ -195,8 +269,8 @@ def _special() -> dict:
         torch.Tensor.__getitem__: _getitem.getitem,
         torch.Tensor.__setitem__: _getitem.setitem,
         torch.Tensor.__mul__: _reduce.multiply,
-        torch.Tensor.mul: _reduce.multiply,
-        torch.mul: _reduce.multiply,
+        torch.Tensor.mul: _reduce.mul,
+        torch.mul: _reduce.mul,
         torch.stack: _functions.stack_positional,
         torch.Tensor.split: _functions.split,
         torch.split: _functions.split,
@@ -275,6 +349,8 @@ def pointwise(func, args: tuple, kwargs: dict) -> Any:
     dims, ndim, device = union(flat)
     if _is_inplace(func) and isinstance(args[0], _Tensor):
         return _pointwise_inplace(func, flat, spec, dims, ndim, device)
+    if func in _order_rules()[0]:
+        dims = tuple(sorted(dims, key=_created))  # functorch.dim's order (see _VMAPPED)
     # a plain 0-d tensor is viewed as shape (1,): it promotes like the dims tensors it
     # meets, which are one value per element of their dims (as in vmap and functorch.dim)
     flat = [align(x, dims, ndim, device) if isinstance(x, _Tensor)
@@ -316,6 +392,9 @@ def batched(func, args: tuple, kwargs: dict) -> Any:
     batch it, then the outputs' batch dims become first-class dims again."""
     flat, spec = tree_flatten((args, kwargs))
     dims, _, device = union(flat)
+    # one level per dim, nested in the dims' creation order, as functorch.dim nests them:
+    # the result's dims come in the order its batch dims are left in
+    dims = tuple(sorted(dims, key=_created))
     first = flat[0] if flat else None
     if _is_inplace(func):
         _refuse_dim_write(func, first)
@@ -333,6 +412,7 @@ def batched(func, args: tuple, kwargs: dict) -> Any:
         result = tree_map(lambda o: _leave(o, dims, levels), out)
     if isinstance(first, Tensor) and out is flat[0] and isinstance(result, Tensor):
         # an in-place op returns its input: the tensor itself changes (unsqueeze_ its shape)
+        result = reorder(result, first._dims)
         if isinstance(first, Delayed):
             first._value = result._tensor
         else:
@@ -356,23 +436,38 @@ def _dim_where_int_expected(func, args: tuple, kwargs: dict, error: RuntimeError
         ) from error
 
 
+def _created(d: Dim) -> int:
+    return d._level
+
+
 def _enter(x: _Tensor, dims: tuple, levels: list, device) -> torch.Tensor:
-    t, present = _in_order(storage(x, device), x._dims, dims)
-    for k, level in enumerate(levels):
-        if k in present:
-            t = wrap_batched(level, t, 0)
+    """``x``'s tensor batched at each of its dims' levels (innermost first), each batch
+    dim where it lies among the axes not yet batched, as functorch.dim batches a tensor."""
+    t = storage(x, device)
+    axes = list(x._dims)
+    for d, level in zip(dims, levels):
+        k = find(tuple(axes), d)
+        if k >= 0:
+            t = wrap_batched(level, t, k)
+            del axes[k]
     return t
 
 
 def _leave(o: Any, dims: tuple, levels: list) -> Any:
+    """A result of a batched op with its batch dims as first-class dims, in the order they
+    lie in the result (functorch.dim's order: a batching rule that keeps a batch dim in
+    place keeps the dims' order, one that moves it to the front gives creation order)."""
     if not isinstance(o, torch.Tensor):
         return o
-    present = []
+    labels: list = [None] * o.ndim
     for d, level in zip(reversed(dims), reversed(levels)):
         if type(o) is level:
-            o = o._inner.movedim(o._bdim, 0)
-            present.append(d)
-    return wrap(o, tuple(reversed(present)))
+            labels.insert(o._bdim, d)
+            o = o._inner
+    dim_axes = [k for k, d in enumerate(labels) if d is not None]
+    if dim_axes != list(range(len(dim_axes))):
+        o = o.permute(*dim_axes, *[k for k, d in enumerate(labels) if d is None])
+    return wrap(o, tuple(labels[k] for k in dim_axes))
 
 
 # -- methods of dims tensors ------------------------------------------------------------
@@ -419,14 +514,30 @@ def order(x: _Tensor, specs: tuple) -> Any:
 
 
 def index(x: _Tensor, dims: Any, indices: Any) -> Any:
-    from torchlevels.dim._getitem import getitem
+    from torchlevels.dim._getitem import functorch_order, getitem
 
     if isinstance(dims, (Dim, DimList, int)):
         dims, indices = (dims,), (indices,)
+    elif not isinstance(indices, (tuple, list)):
+        dims, indices = (tuple(dims),), (indices,)  # one index for the dims flattened
     dims, indices = tuple(dims), tuple(indices)
     if len(dims) != len(indices):
         raise ValueError(f"index: {len(dims)} dims but {len(indices)} indices")
-    return getitem(order(x, dims), indices)
+    out = getitem(order(x, dims), indices)
+    # functorch.dim's order: each index in place of its dim (a flattened group's: in place
+    # of its first dim), then x[...] with them (see functorch_order)
+    at: dict = {}
+    for d, i in zip(dims, indices):
+        group = [e for s in (d if isinstance(d, (tuple, list)) else (d,))
+                 for e in (s if isinstance(s, DimList) else (s,))]
+        for k, e in enumerate(group):
+            at[id(e) if isinstance(e, Dim) else e % x.ndim] = i if k == 0 else _GONE
+    entries = [at.get(id(d), d) for d in x._dims]
+    entries += [at.get(p, slice(None)) for p in range(x.ndim)]
+    return reorder(out, functorch_order([e for e in entries if e is not _GONE]))
+
+
+_GONE = object()  # a dim flattened into the one before it
 
 
 def expand(x: _Tensor, sizes: tuple) -> Any:

@@ -18,7 +18,18 @@ from torch.utils._pytree import tree_map
 from torchlevels.dim._base import _Tensor
 from torchlevels.dim._dims import Dim, DimList
 from torchlevels.dim._lookup import DelayedLookup, bag
-from torchlevels.dim._ops import Delayed, Tensor, _axes, find, pointwise, storage, union, wrap
+from torchlevels.dim._ops import (
+    Delayed,
+    Tensor,
+    _axes,
+    _created,
+    find,
+    pointwise,
+    reorder,
+    storage,
+    union,
+    wrap,
+)
 
 # name -> (position of the dim argument, whether the dim is reduced away, one dim only)
 _DIM_ARGUMENTS = {
@@ -132,27 +143,43 @@ class _DelayedMul(Delayed):
 
     __slots__ = ("_lhs", "_rhs")
 
-    def __init__(self, lhs: Tensor, rhs: Tensor) -> None:
+    def __init__(self, lhs: Tensor, rhs: Tensor, dims: tuple) -> None:
         self._lhs, self._rhs, self._value = lhs, rhs, None
-        self._dims = union([lhs, rhs])[0]
+        self._dims = dims
 
     def _compute(self) -> torch.Tensor:
-        return pointwise(torch.mul, (self._lhs, self._rhs), {})._tensor
+        return reorder(pointwise(torch.mul, (self._lhs, self._rhs), {}), self._dims)._tensor
 
 
 def multiply(*args: Any, **kwargs: Any) -> Any:
-    """``a * b``: delayed when both have only first-class dims and are floating point."""
+    """``a * b``: delayed when both have only first-class dims and are floating point; its
+    dims are the union of theirs, in order, as in functorch.dim."""
+    return _multiply(args, kwargs, False)
+
+
+def mul(*args: Any, **kwargs: Any) -> Any:
+    """``torch.mul(a, b)``, ``a.mul(b)``: ``a * b`` with the dims in creation order, as
+    functorch.dim gives them (it runs these under vmap)."""
+    return _multiply(args, kwargs, True)
+
+
+def _multiply(args: tuple, kwargs: dict, created: bool) -> Any:
     if len(args) == 2 and not kwargs and all(
         type(a) is Tensor and a.ndim == 0 and a._tensor.is_floating_point() for a in args
     ):
-        return _DelayedMul(*args)
-    return pointwise(torch.mul, args, kwargs)
+        dims = union(args)[0]
+        return _DelayedMul(*args, tuple(sorted(dims, key=_created)) if created else dims)
+    out = pointwise(torch.mul, args, kwargs)
+    if created and isinstance(out, Tensor):
+        out = reorder(out, tuple(sorted(out._dims, key=_created)))
+    return out
 
 
 def _dot(product: _DelayedMul, summed: tuple) -> Any:
     """``(lhs * rhs).sum(summed)`` as one (batched) matmul: dims in both operands that
     are kept batch it, dims in both that are summed are contracted, the others are the
-    rows and columns; a summed dim in one operand only is summed there first."""
+    rows and columns; a summed dim in one operand only is summed there first. The result's
+    dims are the product's, in order, less the summed ones (a view of the matmul's)."""
     in_product = {id(d) for d in product._dims}
     for d in summed:
         if id(d) not in in_product:
@@ -174,7 +201,9 @@ def _dot(product: _DelayedMul, summed: tuple) -> Any:
     out = torch.matmul(a, b) if batch else torch.mm(a, b)
     kept = (*batch, *rows, *cols)
     sizes = [d._size for d in kept]
-    return wrap(out if out.shape == sizes else out.reshape(sizes), kept)
+    out = wrap(out if out.shape == sizes else out.reshape(sizes), kept)
+    want = [d for d in product._dims if id(d) not in is_summed]
+    return out if all(d is e for d, e in zip(want, kept)) else reorder(out, tuple(want))
 
 
 def _sum_alone(x: Tensor, other: Tensor, is_summed: set) -> tuple[torch.Tensor, tuple]:

@@ -1,0 +1,194 @@
+"""The order of a result's first-class dims (``t.dims``, and so the layout ``t.order(*t.dims)``
+gives) is functorch.dim's: each program runs on both libraries and the dims' names, the
+values, ``ndim``, the positional shape and the dtype must agree."""
+
+import functorch.dim as fdim
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.testing import assert_close
+
+import torchlevels.dim as tdim
+
+g = torch.Generator().manual_seed(0)
+A = torch.randn(3, 4, 5, generator=g)
+B = torch.randn(4, 5, generator=g)
+M = torch.randn(3, 4, generator=g)
+X = torch.randn(3, 4, 5, 6, generator=g)
+P = torch.randn(3, 2, 4, generator=g)  # (i, b, k)
+Q = torch.randn(4, 6, 2, generator=g)  # (k, j, b)
+W = torch.randn(10, 6, generator=g)
+IDS = torch.randint(0, 10, (3, 4), generator=g)
+I4 = torch.randint(0, 4, (3, 2), generator=g)
+I5 = torch.randint(0, 5, (2, 3), generator=g)
+Y = torch.randn(5, 3, 6, generator=g)
+
+
+def _x(D):
+    """X[i, j] with j made first: the input's order (i, j) is not the creation order."""
+    j, i = D.dims(2)
+    return X[i, j]
+
+
+def _xy(D):
+    """X[i, j, 0] and Y[k, i], with k, j, i made in this order."""
+    k, j, i = D.dims(3)
+    return X[i, j, 0], Y[k, i]
+
+
+PROGRAMS = {
+    # ops run under vmap: the batch dims come out where the batching rule leaves them
+    "sum_no_dim": lambda D: _x(D).sum(),
+    "transpose": lambda D: _x(D).T,
+    "linear": lambda D: F.linear(_x(D), torch.ones(2, 6)),
+    "cat_positional": lambda D: (lambda x: torch.cat([x, x], 0))(_x(D)),
+    "clone_keeps": lambda D: _x(D).clone(),
+    "topk": lambda D: _x(D).topk(2, 0),
+    "sum_function": lambda D: torch.sum(_x(D), 0),
+    # functorch.dim's Tensor methods given a dim keep the dims in order
+    "sum_method": lambda D: _x(D).sum(0),
+    "sort_method": lambda D: _x(D).sort(1),
+    "softmax_method": lambda D: _x(D).softmax(-1),
+    "torch_softmax": lambda D: torch.softmax(_x(D), -1),
+    "module_softmax": lambda D: D.softmax(_x(D), -1),
+    "chunk_method": lambda D: _x(D).chunk(2, 1),
+    "unbind_method": lambda D: _x(D).unbind(0),
+    "max_method": lambda D: _x(D).max(0),
+    # pointwise here, vmapped by functorch.dim (creation order), and the reverse
+    "torch_mul": lambda D: torch.mul(*_xy(D)),
+    "mul_method_summed": lambda D: (lambda x, y: x.mul(y).sum(x.dims[0]))(*_xy(D)),
+    "fmax": lambda D: torch.fmax(*_xy(D)),
+    "masked_fill": lambda D: (lambda x, y: x.masked_fill(y > 0, 0.0))(*_xy(D)),
+    "where_method": lambda D: (lambda x, y: x.where(y > 0, 0.0))(*_xy(D)),
+    "max_other": lambda D: torch.max(*_xy(D)),
+    "floor_divide": lambda D: (lambda x, y: x // y)(*_xy(D)),
+    "isclose": lambda D: torch.isclose(*_xy(D)),
+}
+
+
+def _products(D):
+    b, i, j, k = D.dims(4)
+    return (P[i, b, k] * Q[k, j, b]).sum(k)
+
+
+def _product_kept_shared(D):
+    i, j, k = D.dims(3)
+    return (A[i, j, k] * B[j, k]).sum(k)
+
+
+def _inplace(D):
+    j, i = D.dims(2)
+    x = X.clone()[i, j]
+    x.cumsum_(0)
+    return x
+
+
+def _stack(D):
+    i, j, n = D.dims(3)
+    return D.stack([M[i, j], B[j, 0] + M[i, j]], n)
+
+
+def _torch_stack(D):
+    i, n = D.dims(2)
+    return torch.stack([A[i], A[i]], n)
+
+
+def _cat_dim(D):
+    k, i, n = D.dims(3)
+    return D.cat([A[k, i], A.permute(1, 0, 2)[i, k]], i, n)
+
+
+def _cat_positional(D):
+    i, n = D.dims(2)
+    return D.cat([A[i], A[i]], 0, n)
+
+
+def _lookup_feature_first(D):
+    b, s, f = D.dims(3)
+    return W.T[f, IDS[b, s]]
+
+
+def _index_after_own_dim(D):
+    i, j, k = D.dims(3)
+    return A[k][I4[i, j]]
+
+
+def _dim_expression(D):
+    j, i = D.dims(2)
+    i.size = 2
+    return A[j, i + 1]
+
+
+def _dim_twice(D):
+    i, j = D.dims(2)
+    return torch.arange(48.).reshape(4, 3, 4)[i, j, i]
+
+
+def _own_dim_again(D):
+    i, j = D.dims(2)
+    return torch.arange(48.).reshape(4, 3, 4)[i][j, i]
+
+
+def _two_index_tensors_apart(D):
+    a, b, c = D.dims(3)
+    return X[I4.T[a, b] % 3, :, I5[a, c]]
+
+
+def _index_method(D):
+    i, j, k, m = D.dims(4)
+    return A[i, j, k].index(j, I4[m, 0])
+
+
+def _index_function(D):
+    i, j = D.dims(2)
+    return D.index(A, (2, 0), (i, j))
+
+
+def _index_pack(D):
+    i, j, k, n = D.dims(4)
+    return A[i, j, k].index([k, i], n)
+
+
+
+PROGRAMS.update({f.__name__.lstrip("_"): f for f in (
+    _products, _product_kept_shared, _inplace, _stack, _torch_stack, _cat_dim,
+    _cat_positional, _lookup_feature_first, _index_after_own_dim, _dim_expression, _dim_twice,
+    _own_dim_again, _two_index_tensors_apart, _index_method, _index_function, _index_pack,
+)})
+
+
+def _describe(r):
+    if isinstance(r, (tuple, list)):
+        return [_describe(x) for x in r]
+    names = tuple(map(repr, r.dims))
+    by_name = sorted(r.dims, key=repr)  # values in one layout, whatever the order
+    return names, r.ndim, tuple(r.shape), r.dtype, r.order(*by_name)
+
+
+def _compare(ours, theirs):
+    if isinstance(theirs, list):
+        assert len(ours) == len(theirs)
+        for a, b in zip(ours, theirs):
+            _compare(a, b)
+        return
+    assert ours[:4] == theirs[:4]
+    assert_close(ours[4], theirs[4])
+
+
+@pytest.mark.parametrize("name", sorted(PROGRAMS))
+def test_dims_come_in_functorch_dims_order(name):
+    program = PROGRAMS[name]
+    theirs = _describe(program(fdim))
+    ours = _describe(program(tdim))
+    _compare(ours, theirs)
+
+
+def test_a_contraction_in_order_is_the_matmul_itself():
+    """The matmul's output is already in the product's order: no permuted view."""
+    i, j, k = tdim.dims(3)
+    r = (M[i, k] * torch.randn(4, 6)[k, j]).sum(k)
+    assert r.dims == (i, j) and r._tensor.is_contiguous()
+    b = tdim.dims(1)
+    r = (P[i, b, k] * Q[k, j, b]).sum(k)
+    assert r.dims == (i, b, j)
+    assert_close(r.order(b, i, j), torch.bmm(P.permute(1, 0, 2), Q.permute(2, 0, 1)))
