@@ -293,8 +293,10 @@ def compile(func: Callable, backend: str | Callable | None = None) -> Callable:
     ``torch.compile`` backend) compiles each graph with ``torch.compile``. Results equal
     eager. A new signature traces again. ``f`` must not read tensor values into Python
     (``.item()``, ``if t:``): that raises :class:`DataDependentError` at the first call,
-    because replaying would silently repeat the branch taken when tracing.
-    Random ops draw fresh numbers on every replay, as eager does.
+    because replaying would silently repeat the branch taken when tracing. A size read
+    in Python from a tensor whose shape depends on values (``x[x > 0].shape[0]``) is not
+    detected and stays fixed in the trace too: keep such reads out of ``f`` (``x[x > 0]``
+    itself replays correctly). Random ops draw fresh numbers on every replay, as eager does.
 
     Example::
 
