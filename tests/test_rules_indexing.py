@@ -672,3 +672,43 @@ def test_one_hot_of_a_batched_tensor_needs_num_classes():
     with pytest.raises(RuntimeError, match="one_hot of a batched tensor needs an explicit "
                        "num_classes"):
         torchlevels.vmap(F.one_hot)(labels)
+
+
+_W = torch.randn(4, 5)
+_BY_ONE_INDEX = {  # x of shape (4, 5, 6) per example, i one example's index (0-dim)
+    "x[i]": lambda x, i: x[i],
+    "x[:, i]": lambda x, i: x[:, i],
+    "x[i, i]": lambda x, i: x[i, i],
+    "x[..., i]": lambda x, i: x[..., i],
+    "x[None, i]": lambda x, i: x[None, i],
+    "x[:, i, None]": lambda x, i: x[:, i, None],
+    "x[i, 1:3]": lambda x, i: x[i, 1:3],
+    "x[1, i]": lambda x, i: x[1, i],
+    "x[i, index]": lambda x, i: x[i, torch.tensor([0, 2])],
+    "x[index, i]": lambda x, i: x[torch.tensor([0, 2]), i],
+    "captured w[i]": lambda x, i: _W[i],
+    "captured w[:, i]": lambda x, i: _W[:, i],
+    "x[i] = 1": lambda x, i: _set(x, i, 1.0),
+    "x[:, i] = v": lambda x, i: _set(x, (slice(None), i), x[:, 0, :].exp()),
+    "x[:, i] = row": lambda x, i: _set(x, (slice(None), i), x[0, 0, :].exp()),
+    "x[i] = v": lambda x, i: _set(x, i, x[0] * 2),
+}
+
+
+def _set(x, index, value):
+    x = x.clone()
+    x[index] = value
+    return x
+
+
+@pytest.mark.parametrize("name", list(_BY_ONE_INDEX))
+def test_index_by_one_examples_int_tensor(name):
+    """``x[i]`` with ``i`` a 0-dim integer tensor per example: PyTorch reads such an index
+    as a Python int (.item()), which vmap refused; torch.func indexes with it."""
+    f = _BY_ONE_INDEX[name]
+    xs, idx = torch.randn(B, 4, 5, 6), torch.tensor([3, 0, 1])
+    assert_close(torchlevels.vmap(f)(xs, idx), torch.func.vmap(f)(xs, idx))
+    loss = lambda x, i: f(x, i).sin().sum() + x.pow(2).sum()  # noqa: E731
+    expected = torch.stack([torch.autograd.grad(loss(x.requires_grad_(), i), x)[0]
+                            for x, i in zip(xs.clone(), idx)])  # torch.func's grad refuses
+    assert_close(torchlevels.vmap(torchlevels.grad(loss))(xs, idx), expected)

@@ -81,7 +81,59 @@ def no_shortcuts(cls, func, types, args=(), kwargs=None):
     for t in types:
         if t is not torch.Tensor and not issubclass(t, LevelTensor):
             return foreign_call(func, types, args, kwargs or _EMPTY)
+    if (func is _GETITEM or func is _SETITEM) and _level_scalars(args[1]):
+        return _index_by_level_scalars(func, args)
     return _disabled(func, types, args, kwargs or _EMPTY)
+
+
+_GETITEM, _SETITEM = torch.Tensor.__getitem__, torch.Tensor.__setitem__
+
+
+def _level_scalars(index: Any) -> list[int]:
+    """The positions in ``index`` of 0-dim integer tensors of a level (``a[i]`` with ``i``
+    one example's index under vmap)."""
+    items = index if type(index) is tuple else (index,)
+    return [k for k, i in enumerate(items) if isinstance(i, LevelTensor) and i.dim() == 0
+            and not i.is_floating_point() and not i.is_complex() and i.dtype != torch.bool]
+
+
+def _index_by_level_scalars(func, args: tuple) -> Any:
+    """``x[i]`` (or ``x[i] = v``) with ``i`` a 0-dim integer tensor of a level. PyTorch
+    reads such an index as a Python int, which a batched one does not have; it indexes as
+    the tensor ``i[None]`` does, less the size-1 dim that adds (found on meta tensors)."""
+    x, index = args[0], args[1]
+    items = index if type(index) is tuple else (index,)
+    scalars = _level_scalars(index)
+    if any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in items):
+        raise IndexError(
+            "indexing with a 0-dim integer tensor that differs per example together with a "
+            "boolean mask is not supported: index with the mask first, then with the "
+            "integer (x[mask][i])")
+
+    def probe(vector: bool) -> torch.Size:  # a 0-dim index reads as the int 0 here
+        meta = tuple(i if not isinstance(i, torch.Tensor) else
+                     torch.zeros(1, dtype=torch.long, device="meta") if vector and k in scalars
+                     else 0 if i.dim() == 0 else
+                     torch.zeros(i.shape, dtype=torch.long, device="meta")
+                     for k, i in enumerate(items))
+        return torch.empty(x.shape, device="meta")[meta].shape
+
+    with _enable_torch_function():
+        as_vectors = tuple(i.unsqueeze(0) if k in scalars else i for k, i in enumerate(items))
+        out, out_vector = probe(False), probe(True)
+        added = next((k for k in range(len(out_vector))
+                      if out_vector[:k] + out_vector[k + 1:] == out), None)
+        if len(out_vector) == len(out):
+            added = None  # another index tensor broadcasts the size-1 dim away
+        if func is _GETITEM:
+            got = x[as_vectors]
+            return got if added is None else got.squeeze(added)
+        value = args[2]
+        if added is not None and isinstance(value, torch.Tensor) and (
+                value.dim() > len(out) - added):
+            value = value.unsqueeze(added - (len(out) - value.dim()))
+        x[as_vectors] = value
+        return None
 
 
 def foreign_call(func, types, args, kwargs):
