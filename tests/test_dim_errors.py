@@ -209,3 +209,9 @@ def test_dims_take_names_from_assigned_variables(dimlib):
     zeta, eta = dimlib.dims(sizes=[2, None])
     assert (repr(zeta), repr(eta)) == ("zeta", "eta")
     assert zeta.size == 2 and not eta.is_bound
+
+
+@pytest.mark.parametrize("n", [-1, 1.5, True])
+def test_dims_of_a_bad_count_raise(dimlib, n):
+    with pytest.raises(ValueError, match="n must be an int >= 1"):
+        dimlib.dims(n)

@@ -293,3 +293,11 @@ def test_a_subclass_whose_torch_function_converts_results_gets_a_clear_error():
     w = torch.randn(3).as_subclass(Logged)
     with pytest.raises(RuntimeError, match="Logged.__torch_function__ made the result of"):
         vmap(lambda x: x * w)(torch.randn(4, 3))
+
+
+def test_unwrapping_an_outer_level_before_an_inner_live_one_raises():
+    with vmap() as B0, vmap() as B1:
+        z = B0(torch.ones(10, 2)) + B1(torch.ones(15, 2))
+        with pytest.raises(ValueError, match="unwrap it with that level first"):
+            B0.unwrap(z)
+        assert B0.unwrap(B1.unwrap(z)).shape == (10, 15, 2)

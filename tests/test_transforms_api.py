@@ -1774,3 +1774,21 @@ def test_jacobians_through_complex_intermediates_match_torch_func():
     assert_tree_close(tl.jacrev(f)(x), tf.jacrev(f)(x))
     assert_tree_close(tl.jacfwd(f)(x), tf.jacfwd(f)(x))
     assert_tree_close(tl.hessian(lambda x: f(x).sum())(x), tf.hessian(lambda x: f(x).sum())(x))
+
+
+_MISUSES = {  # each raises in torch.func too, with the same exception type
+    "jvp with no primals": lambda lib, x: lib.jvp(lambda: x, (), ()),
+    "jvp with a float tangent": lambda lib, x: lib.jvp(torch.sin, (x,), (1.0,)),
+    "linearize with a float64 tangent": lambda lib, x: lib.linearize(torch.sin, x)[1](
+        x.double()),
+    "vjp_fn with a float cotangent": lambda lib, x: lib.vjp(torch.sin, x)[1](1.0),
+}
+
+
+@pytest.mark.parametrize("name", list(_MISUSES))
+def test_misuse_raises_as_torch_func_does(name):
+    x = torch.randn(3)
+    with pytest.raises(Exception) as theirs:
+        _MISUSES[name](torch.func, x)
+    with pytest.raises(type(theirs.value)):
+        _MISUSES[name](torchlevels, x)

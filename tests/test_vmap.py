@@ -688,3 +688,12 @@ def test_under_autocast_as_a_loop(name):
     # to bfloat16's precision: layer norm's backward runs as its decomposition, which
     # rounds each step to bfloat16 where the kernel rounds once
     assert_close(grads, theirs, rtol=1.6e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("in_dims", [True, (True,), (False,)])
+def test_bool_in_dims_are_refused_not_read_as_ints(in_dims):
+    x = torch.randn(3, 4)
+    with pytest.raises(TypeError):
+        torch.func.vmap(torch.sin, in_dims=in_dims)(x)
+    with pytest.raises(ValueError, match="in_dim must be either an integer dimension or None"):
+        vmap(torch.sin, in_dims=in_dims)(x)

@@ -239,6 +239,10 @@ def vjp(func: Callable, *primals: Any, has_aux: bool = False) -> tuple:
                 "Expected pytree structure of cotangents to be the same as pytree structure "
                 f"of outputs to the function. cotangents: {ct_spec}, primal output: {out_spec}"
             )
+        for k, (c, o) in enumerate(zip(flat_ct, out_inners)):
+            if not isinstance(c, torch.Tensor):
+                raise TypeError(f"vjp_fn: cotangent {k} is a {type(c).__name__}; give a tensor "
+                                f"shaped like output {k}, {tuple(o.shape)}")
         tracked = [(o, c) for o, c in zip(out_inners, flat_ct) if o.requires_grad]
         grads = [None] * len(leaves)
         if tracked:
@@ -285,9 +289,15 @@ def jvp(func: Callable, primals: Any, tangents: Any, *, strict: bool = False,
             f"structure. For example, if primals is a tuple of 3 tensors, tangents also must "
             f"be. Got primals with structure {spec_p} and tangents with structure {spec_t}"
         )
+    if not flat_p:
+        raise RuntimeError("jvp(f, primals, tangents): Expected primals to contain at least "
+                           "one Tensor.")
     _inputs("jvp", flat_p, ValueError)
     for p, t in zip(flat_p, flat_t):
-        if not isinstance(t, torch.Tensor) or p.shape != t.shape:
+        if not isinstance(t, torch.Tensor):
+            raise RuntimeError("jvp(f, primals, tangents): Expected tangents to only contain "
+                               f"Tensors, got {type(t).__name__}")
+        if p.shape != t.shape:
             raise RuntimeError(
                 "jvp(f, primals, tangents): Expected primals and tangents to have the same "
                 f"shapes, got {p.shape} and {getattr(t, 'shape', type(t))}"
@@ -338,6 +348,11 @@ def linearize(func: Callable, *primals: Any) -> tuple[Any, Callable]:
 
     @eager
     def jvp_fn(*tangents: Any) -> Any:
+        for k, (p, t) in enumerate(zip(tree_flatten(primals)[0], tree_flatten(tangents)[0])):
+            if isinstance(t, torch.Tensor) and t.dtype != p.dtype:
+                raise RuntimeError(
+                    f"linearize's jvp_fn: tangent {k} has dtype {t.dtype}, which does not "
+                    f"match the dtype {p.dtype} of the corresponding primal")
         return jvp(func, primals, tangents)[1]
 
     return out, jvp_fn

@@ -95,6 +95,12 @@ class BatchLevel(Level):
 
     def unwrap(self, cls: type[LevelTensor], tensor: Any, out_dim: int | None = 0) -> Any:
         if type(tensor) is not cls:
+            inner_level = type(tensor)
+            if issubclass(inner_level, cls) and inner_level._level.alive:
+                raise ValueError(
+                    f"{cls.__name__}.unwrap: the tensor is of a live level inside this one, "
+                    f"{inner_level._level.describe()}: unwrap it with that level first "
+                    "(innermost first)")
             if out_dim is None or not isinstance(tensor, torch.Tensor):
                 return tensor
             out_dim = _checked_out_dim(out_dim, tensor)
@@ -427,7 +433,7 @@ def _flat_inputs(func, in_dims, args) -> tuple[list, list, Any, int]:
     for i, (arg, dim) in enumerate(zip(flat_args, flat_dims)):
         if dim is None:
             continue
-        if not isinstance(dim, int):
+        if not isinstance(dim, int) or isinstance(dim, bool):
             raise ValueError(
                 f"vmap({name}, in_dims={in_dims}, ...)(<inputs>): Got in_dim={dim} for an input "
                 "but in_dim must be either an integer dimension or None."

@@ -206,6 +206,9 @@ def _make(kind: str, n: int | None, sizes: Sequence | None, factory) -> object:
         names = _assigned_names(frame.f_code, frame.f_lasti)
     finally:
         del frame
+    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 0):
+        raise ValueError(f"{kind}(n={n!r}): n must be an int >= 1 (or None, to count the "
+                         "names assigned)")
     if sizes is not None and n is not None and len(sizes) != n:
         raise ValueError(f"{kind}(n={n}, sizes={list(sizes)}): n and len(sizes) differ")
     count = n if n is not None else (len(sizes) if sizes is not None else len(names))
