@@ -81,8 +81,10 @@ def no_shortcuts(cls, func, types, args=(), kwargs=None):
     for t in types:
         if t is not torch.Tensor and not issubclass(t, LevelTensor):
             return foreign_call(func, types, args, kwargs or _EMPTY)
-    if (func is _GETITEM or func is _SETITEM) and _level_scalars(args[1]):
-        return _index_by_level_scalars(func, args)
+    if func is _GETITEM or func is _SETITEM:
+        scalars = _level_scalars(args[1])
+        if scalars:
+            return _index_by_level_scalars(func, args, scalars)
     return _disabled(func, types, args, kwargs or _EMPTY)
 
 
@@ -97,13 +99,13 @@ def _level_scalars(index: Any) -> list[int]:
             and not i.is_floating_point() and not i.is_complex() and i.dtype != torch.bool]
 
 
-def _index_by_level_scalars(func, args: tuple) -> Any:
-    """``x[i]`` (or ``x[i] = v``) with ``i`` a 0-dim integer tensor of a level. PyTorch
+def _index_by_level_scalars(func, args: tuple, scalars: list[int]) -> Any:
+    """``x[i]`` (or ``x[i] = v``) with ``i`` a 0-dim integer tensor of a level (at the
+    positions ``scalars`` of the index). PyTorch
     reads such an index as a Python int, which a batched one does not have; it indexes as
     the tensor ``i[None]`` does, less the size-1 dim that adds (found on meta tensors)."""
     x, index = args[0], args[1]
     items = index if type(index) is tuple else (index,)
-    scalars = _level_scalars(index)
     if any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in items):
         raise IndexError(
             "indexing with a 0-dim integer tensor that differs per example together with a "

@@ -21,7 +21,7 @@ class DimensionMismatchError(Exception):
     raises DimensionBindError, as torchlevels.dim does)."""
 
 
-_created = 0  # dims made so far (Dim._level)
+_created = 0  # dims made so far (Dim._serial)
 
 
 class Dim(_Tensor):
@@ -38,14 +38,14 @@ class Dim(_Tensor):
         (torch.Size([3, 2]), 2, 3)
     """
 
-    __slots__ = ("_name", "_size", "_ranges", "_level")
+    __slots__ = ("_name", "_size", "_ranges", "_serial")
 
     def __init__(self, name: str, size: int | None = None) -> None:
         global _created
         self._name = name
         # creation order: functorch.dim nests an op's vmap levels in this order, so the
         # dims of a batched op's result come in it (see _ops.batched)
-        self._level = _created
+        self._serial = _created
         _created += 1
         self._size = -1
         self._ranges: dict[torch.device, torch.Tensor] = {}

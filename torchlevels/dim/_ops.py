@@ -437,7 +437,7 @@ def _dim_where_int_expected(func, args: tuple, kwargs: dict, error: RuntimeError
 
 
 def _created(d: Dim) -> int:
-    return d._level
+    return d._serial
 
 
 def _enter(x: _Tensor, dims: tuple, levels: list, device) -> torch.Tensor:
