@@ -301,3 +301,18 @@ def test_unwrapping_an_outer_level_before_an_inner_live_one_raises():
         with pytest.raises(ValueError, match="unwrap it with that level first"):
             B0.unwrap(z)
         assert B0.unwrap(B1.unwrap(z)).shape == (10, 15, 2)
+
+
+def test_a_level_makes_no_tensors_after_it_exited():
+    with vmap() as B:
+        pass
+    with pytest.raises(EscapedTensorError, match="has exited, so it makes no more tensors"):
+        B(torch.ones(3, 2))
+
+
+@pytest.mark.parametrize("chunk_size", [1.5, "2", 0])
+def test_chunk_size_must_be_a_positive_int(chunk_size):
+    with pytest.raises(ValueError, match=r"None or an int greater than 0 \(got"):
+        vmap(torch.sin, chunk_size=chunk_size)
+    with pytest.raises(ValueError, match=r"None or an int greater than 0 \(got"):
+        torchlevels.jacrev(torch.sin, chunk_size=chunk_size)(torch.randn(3))

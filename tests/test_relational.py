@@ -962,3 +962,9 @@ def test_read_csv_reads_fields_as_duckdb_does(con, tmp_path):
 def test_columns_tables_do_not_hold_are_errors_naming_them(values, error, match):
     with pytest.raises(error, match=match):
         Table({"x": values})
+
+
+@pytest.mark.parametrize("columns", [{1: [1, 2]}, [1, 2, 3]])
+def test_a_table_of_bad_columns_is_a_type_error_saying_what_is_wrong(columns):
+    with pytest.raises(TypeError, match="column names must be str|expected a mapping"):
+        Table(columns)

@@ -134,6 +134,10 @@ class LevelTensor(torch.Tensor):
 
     def __new__(cls, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         """``B(t, ...)``: ``t`` as a tensor of level ``B`` (for vmap: ``B(t, dim=0)``)."""
+        if not cls._level.alive:
+            raise EscapedTensorError(
+                f"{cls.__name__}(t): {cls._level.describe()} has exited, so it makes no more "
+                "tensors: wrap t inside its `with` block")
         return cls._level.wrap(cls, tensor, *args, **kwargs)
 
     @classmethod

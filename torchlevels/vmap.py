@@ -372,7 +372,8 @@ def vmap(
     if func is None:
         return batch_level(randomness)
     if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size <= 0):
-        raise ValueError(f"vmap: chunk_size should be None or greater than 0. (got {chunk_size})")
+        raise ValueError(f"vmap: chunk_size should be None or an int greater than 0 (got "
+                         f"{chunk_size!r})")
 
     @functools.wraps(func)
     def wrapped(*args, **kwargs):

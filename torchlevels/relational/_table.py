@@ -33,6 +33,13 @@ class Table:
     """
 
     def __init__(self, columns: Mapping[str, object]) -> None:
+        if not hasattr(columns, "items"):  # a dict, or a pandas DataFrame
+            raise TypeError(f"Table(columns): expected a mapping of column names to values, "
+                            f"got a {type(columns).__name__}")
+        for name in columns:
+            if not isinstance(name, str):
+                raise TypeError(f"Table: column names must be str, got {name!r} "
+                                f"({type(name).__name__})")
         self._columns: dict[str, Column] = {
             name: column_from_values(v, name) for name, v in columns.items()
         }
