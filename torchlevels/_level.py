@@ -70,6 +70,9 @@ class Level:
 
     kind = "level"
     differentiates = False  # whether the level takes derivatives of the ops run on its tensors
+    # made by a transform of a function (vmap(f), grad(f)...), not entered by a `with` block
+    # (``with vmap() as B``): what an escaped tensor's error suggests
+    functional = False
 
     def __init__(self) -> None:
         self.alive = True
@@ -358,11 +361,18 @@ def set_logical_meta(tensor: LevelTensor, shape, strides, storage_offset: int = 
 
 
 def escape_message(level: Level, func) -> str:
+    if level.functional:
+        return (
+            f"{func}: a tensor of {level.describe()} was used after that transform exited. "
+            "It escaped the function the transform ran (stored in a list, a global or a "
+            "closure). Return it from that function instead: a transform's results are "
+            "the only tensors that come out of it."
+        )
     return (
-        f"{func}: a tensor of {level.describe()} was used after that transform exited. "
-        "It escaped its transform (stored in a list, a global or a closure, or returned "
-        "from the level without being unwrapped). Return it from the transformed function "
-        "instead, or unwrap it with `B.unwrap(t)` before the level exits."
+        f"{func}: a tensor of {level.describe()} was used after that level exited. It "
+        "escaped its `with` block (stored in a list, a global or a closure, or kept "
+        "without being unwrapped). Unwrap it with the level's class before the block "
+        "exits (`B.unwrap(t)` for `with vmap() as B`)."
     )
 
 

@@ -439,8 +439,13 @@ class JvpLevel(Level):
     kind = "jvp"
     differentiates = True
 
+    def __init__(self, name: str = "jvp") -> None:
+        super().__init__()
+        self.kind = name
+
     def wrap(self, cls, primal: torch.Tensor, tangent: torch.Tensor) -> torch.Tensor:
         """``J(primal, tangent)``: a tensor of this level."""
+        _check_dual(cls, primal, tangent)
         primal = _normal(primal)
         return _wrap(cls, primal, _lift_tangent(_normal(tangent), primal))
 
@@ -457,7 +462,7 @@ class JvpLevel(Level):
     def dispatch(self, cls, func, args, kwargs):
         inplace = writes_first_argument(func)
         if inplace and type(args[0]) is not cls:
-            _raise_captured_inplace(func, "jvp")
+            _raise_captured_inplace(func, self.kind)
         view = out_of_place_view(func) if inplace else None
         if view is not None:
             return _jvp_inplace_view(cls, view, args, kwargs)
@@ -507,6 +512,24 @@ class JvpLevel(Level):
             # with a tangent, like detach)
             out._view_of = (args[0], [(func, args[1:], kwargs)])
         return out
+
+
+def _check_dual(cls, primal: Any, tangent: Any) -> None:
+    """``J(primal, tangent)`` takes two tensors of the same shape, floating-point or complex:
+    make_dual's errors, naming the argument (PyTorch's own are a bare AttributeError, an
+    internal assert at the first op, or none)."""
+    for what, t in (("primal", primal), ("tangent", tangent)):
+        if not isinstance(t, torch.Tensor):
+            fix = " (torch.zeros_like(primal) for a zero one)" if what == "tangent" else ""
+            raise TypeError(f"{cls.__name__}(primal, tangent): {what} must be a Tensor{fix}, "
+                            f"got {type(t).__name__}")
+        if not (t.is_floating_point() or t.is_complex()):
+            raise ValueError(f"{cls.__name__}(primal, tangent): Expected {what} to be floating "
+                             f"point or complex, but got: {t.dtype}")
+    if primal.shape != tangent.shape:
+        raise RuntimeError(f"{cls.__name__}(primal, tangent): the tangent has shape "
+                           f"{tuple(tangent.shape)} and the primal {tuple(primal.shape)}: they "
+                           "must be the same")
 
 
 def _refuse_custom_op(cls, func, args, out: Any, level: int) -> None:
@@ -917,9 +940,9 @@ def grad_level(name: str = "grad") -> Iterator[type[LevelTensor]]:
 
 
 @contextlib.contextmanager
-def jvp_level() -> Iterator[type[LevelTensor]]:
+def jvp_level(name: str = "jvp") -> Iterator[type[LevelTensor]]:
     """Enter a fresh jvp level; yields its class ``J``: ``J(primal, tangent)``,
-    ``J.unwrap(y) -> (primal, tangent)``.
+    ``J.unwrap(y) -> (primal, tangent)``. ``name`` names it in error messages.
 
     Example::
 
@@ -930,7 +953,7 @@ def jvp_level() -> Iterator[type[LevelTensor]]:
         ...     J.unwrap(y)
         (tensor(9.), tensor(6.))
     """
-    level = JvpLevel()
+    level = JvpLevel(name)
     cls = new_level_class(level, "DualTensor", classmethod(no_shortcuts), **_JVP_LEVEL_TENSOR)
     with (entered(cls), _inference_mode_off(), _dual_level(), predispatch.hook(),
           _no_fused_inference()):

@@ -47,7 +47,7 @@ def _inputs(api: str, flat: list, dtype_error: type[Exception] = RuntimeError) -
     for t in flat:
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{api}: Thing passed to transform API must be Tensor, got {type(t)}")
-        if api in ("grad", "vjp"):  # (jvp and jacfwd work inside functionalize)
+        if api in ("grad", "vjp", "jacrev", "hessian"):  # (forward mode works in functionalize)
             refuse_functional(api, t)
         if not (t.is_floating_point() or t.is_complex()):
             raise dtype_error(
@@ -82,14 +82,30 @@ def _normalized(argnums: int | tuple[int, ...], args: tuple) -> int | tuple[int,
     return _validate_and_wrap_argnums(argnums, len(args))
 
 
+# How an error names the call the user made (jacrev, jacfwd and linearize run vjp or jvp)
+_CALLS = {"vjp": "vjp(f, *primals)", "jvp": "jvp(f, primals, tangents)",
+          "linearize": "linearize's jvp_fn"}
+
+
+def _call(api: str) -> str:
+    return _CALLS.get(api, f"{api}(f)(*args)")
+
+
 def _split_aux(api: str, out: Any, has_aux: bool) -> tuple[Any, Any]:
     if not has_aux:
         return out, None
     if not (isinstance(out, tuple) and len(out) == 2):
         raise RuntimeError(
-            f"{api}(f, ...)(*args): output of function f should be a tuple: (output, aux) "
+            f"{_call(api)}: output of function f should be a tuple: (output, aux) "
             "if has_aux is True"
         )
+    for a in tree_flatten(out[1])[0]:
+        if not isinstance(a, torch.Tensor):  # torch.func's error, by every transform
+            raise RuntimeError(
+                f"{_call(api)}: Expected the aux output of f (has_aux=True) to "
+                f"contain only Tensors, got unsupported type {type(a)}. Make a number a "
+                "tensor (torch.tensor(x)); pass other values out through a variable outside f."
+            )
     return out
 
 
@@ -111,6 +127,7 @@ def grad_and_value(func: Callable, argnums: int | tuple[int, ...] = 0,
         grad_enabled = torch.is_grad_enabled()
         argnums_ = _normalized(argnums, args)
         with grad_level("grad") as G:
+            G._level.functional = True
             diff = _slice_argnums(args, argnums_, as_tuple=False)
             flat, spec = tree_flatten(diff)
             _inputs("grad", flat)
@@ -187,7 +204,7 @@ def grad(func: Callable, argnums: int | tuple[int, ...] = 0, has_aux: bool = Fal
 
 
 @eager
-def vjp(func: Callable, *primals: Any, has_aux: bool = False) -> tuple:
+def vjp(func: Callable, *primals: Any, has_aux: bool = False, _api: str = "vjp") -> tuple:
     """``(func(*primals), vjp_fn)``: ``vjp_fn(cotangents)`` is the vector-Jacobian product.
 
     ``cotangents`` has the structure of ``func``'s output; ``vjp_fn`` returns a tuple with
@@ -205,21 +222,22 @@ def vjp(func: Callable, *primals: Any, has_aux: bool = False) -> tuple:
         (tensor([1.0000, 0.5403]),)
     """
     grad_enabled = torch.is_grad_enabled()
-    with grad_level("vjp") as G:
+    with grad_level(_api) as G:
+        G._level.functional = True
         flat, spec = tree_flatten(primals)
-        _inputs("vjp", flat)
+        _inputs(_api, flat)
         wrapped = [G(t) for t in flat]
-        out, aux = _split_aux("vjp", func(*tree_unflatten(wrapped, spec)), has_aux)
+        out, aux = _split_aux(_api, func(*tree_unflatten(wrapped, spec)), has_aux)
         flat_out, out_spec = tree_flatten(out)
         for o in flat_out:
             if not isinstance(o, torch.Tensor):
                 raise RuntimeError(
-                    "vjp(f, *primals): Expected f to be a function that has only Tensor "
+                    f"{_call(_api)}: Expected f to be a function that has only Tensor "
                     f"outputs, got {type(o)}"
                 )
             if not (o.is_floating_point() or o.is_complex()):
                 raise RuntimeError(
-                    "vjp(f, ...): All outputs of f must be floating-point or complex "
+                    f"{_call(_api)}: All outputs of f must be floating-point or complex "
                     f"Tensors, got Tensor with dtype {o.dtype}"
                 )
         keep = _needs_graph(G._level, flat, grad_enabled)
@@ -263,7 +281,7 @@ def vjp(func: Callable, *primals: Any, has_aux: bool = False) -> tuple:
 
 @eager
 def jvp(func: Callable, primals: Any, tangents: Any, *, strict: bool = False,
-        has_aux: bool = False) -> tuple:
+        has_aux: bool = False, _api: str = "jvp") -> tuple:
     """``(func(*primals), jvp_out)``: the Jacobian-vector product along ``tangents``.
 
     ``primals`` and ``tangents`` are tuples of the same structure. With ``has_aux=True``
@@ -276,46 +294,47 @@ def jvp(func: Callable, primals: Any, tangents: Any, *, strict: bool = False,
         >>> jvp(torch.sin, (torch.tensor([0.0, 1.0]),), (torch.ones(2),))
         (tensor([0.0000, 0.8415]), tensor([1.0000, 0.5403]))
     """
+    call = _call(_api)
     if not isinstance(primals, tuple):
         raise RuntimeError(
-            f"jvp(f, primals, tangents): Expected primals to be a tuple. E.g. it should be "
+            f"{call}: Expected primals to be a tuple. E.g. it should be "
             f"valid to call f(*primals). Got {type(primals)}"
         )
     flat_p, spec_p = tree_flatten(primals)
     flat_t, spec_t = tree_flatten(tangents)
     if spec_p != spec_t:
         raise RuntimeError(
-            "jvp(f, primals, tangents): Expected primals and tangents to have the same python "
+            f"{call}: Expected primals and tangents to have the same python "
             f"structure. For example, if primals is a tuple of 3 tensors, tangents also must "
             f"be. Got primals with structure {spec_p} and tangents with structure {spec_t}"
         )
     if not flat_p:
-        raise RuntimeError("jvp(f, primals, tangents): Expected primals to contain at least "
-                           "one Tensor.")
-    _inputs("jvp", flat_p, ValueError)
+        raise RuntimeError(f"{call}: Expected primals to contain at least one Tensor.")
+    _inputs(_api, flat_p, ValueError)
     for p, t in zip(flat_p, flat_t):
         if not isinstance(t, torch.Tensor):
-            raise RuntimeError("jvp(f, primals, tangents): Expected tangents to only contain "
-                               f"Tensors, got {type(t).__name__}")
+            raise RuntimeError(f"{call}: Expected tangents to only contain Tensors, got "
+                               f"{type(t).__name__}")
         if p.shape != t.shape:
             raise RuntimeError(
-                "jvp(f, primals, tangents): Expected primals and tangents to have the same "
+                f"{call}: Expected primals and tangents to have the same "
                 f"shapes, got {p.shape} and {getattr(t, 'shape', type(t))}"
             )
         if not (t.is_floating_point() or t.is_complex()):
             raise ValueError(
-                f"jvp(f, primals, tangents): Expected tangent to be floating point or "
+                f"{call}: Expected tangent to be floating point or "
                 f"complex, but got: {t.dtype}"
             )
-    with jvp_level() as J:
+    with jvp_level(_api) as J:
+        J._level.functional = True
         wrapped = [J(p, t) for p, t in zip(flat_p, flat_t)]
-        out, aux = _split_aux("jvp", func(*tree_unflatten(wrapped, spec_p)), has_aux)
+        out, aux = _split_aux(_api, func(*tree_unflatten(wrapped, spec_p)), has_aux)
         flat_out, out_spec = tree_flatten(out)
         pairs = []
         for o in flat_out:
             if not isinstance(o, torch.Tensor):
                 raise RuntimeError(
-                    "jvp(f, primals, tangents): expected f(*args) to return only tensors, "
+                    f"{call}: expected f(*args) to return only tensors, "
                     f"got unsupported type {type(o)}"
                 )
             if strict and type(o) is not J:
@@ -353,7 +372,7 @@ def linearize(func: Callable, *primals: Any) -> tuple[Any, Callable]:
                 raise RuntimeError(
                     f"linearize's jvp_fn: tangent {k} has dtype {t.dtype}, which does not "
                     f"match the dtype {p.dtype} of the corresponding primal")
-        return jvp(func, primals, tangents)[1]
+        return jvp(func, primals, tangents, _api="linearize")[1]
 
     return out, jvp_fn
 
@@ -363,7 +382,8 @@ def _as_tuple(x: Any) -> tuple:
 
 
 def jacrev(func: Callable, argnums: int | tuple[int, ...] = 0, *, has_aux: bool = False,
-           chunk_size: int | None = None, _preallocate_and_copy: bool = False) -> Callable:
+           chunk_size: int | None = None, _preallocate_and_copy: bool = False,
+           _api: str = "jacrev") -> Callable:
     """The Jacobian of ``func`` with respect to ``argnums``, by reverse mode (vmap over vjp).
 
     The result nests like torch.func's: the output's structure outside, ``argnums``'
@@ -386,15 +406,15 @@ def jacrev(func: Callable, argnums: int | tuple[int, ...] = 0, *, has_aux: bool 
         argnums_ = _normalized(argnums, args)
         diff = _slice_argnums(args, argnums_)
         flat_in, in_spec = tree_flatten(diff)
-        _refuse_complex("jacrev", flat_in, "inputs")
+        _refuse_complex(_api, flat_in, "inputs")
 
         def partial(*diff_args):
             return func(*_replace_args(args, diff_args, argnums_), **kwargs)
 
-        result = vjp(partial, *diff, has_aux=has_aux)
+        result = vjp(partial, *diff, has_aux=has_aux, _api=_api)
         out, vjp_fn = result[0], result[1]
         flat_out, out_spec = tree_flatten(out)
-        _refuse_complex("jacrev", flat_out, "outputs")
+        _refuse_complex(_api, flat_out, "outputs")
         pull = vmap(lambda *cts: vjp_fn(tree_unflatten(list(cts), out_spec)),
                     chunk_size=chunk_size)
         try:
@@ -489,7 +509,7 @@ def jacfwd(func: Callable, argnums: int | tuple[int, ...] = 0, has_aux: bool = F
 
         def push(*tangents):
             return jvp(partial, diff, tuple(tree_unflatten(list(tangents), in_spec)),
-                       has_aux=has_aux)
+                       has_aux=has_aux, _api="jacfwd")
 
         basis = _basis(flat_in, below=False)
         if basis[0].shape[0] == 0:  # empty inputs: nothing to push, every block is empty
@@ -537,7 +557,7 @@ def hessian(func: Callable, argnums: int | tuple[int, ...] = 0) -> Callable:
         tensor([[ 6.,  0.],
                 [ 0., 12.]])
     """
-    jac = jacrev(jacrev(func, argnums), argnums)
+    jac = jacrev(jacrev(func, argnums, _api="hessian"), argnums, _api="hessian")
 
     @functools.wraps(func)
     def wrapper(*args, **kwargs):

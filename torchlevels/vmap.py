@@ -77,6 +77,9 @@ class BatchLevel(Level):
     def wrap(self, cls: type[LevelTensor], tensor: torch.Tensor, dim: int = 0) -> torch.Tensor:
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{cls.__name__}(t, dim): t must be a Tensor, got {type(tensor)}")
+        if not isinstance(dim, int):
+            raise TypeError(f"{cls.__name__}(t, dim={dim!r}): dim must be an int, got "
+                            f"{type(dim).__name__}")
         if not -tensor.dim() <= dim < tensor.dim():
             raise ValueError(
                 f"{cls.__name__}(t, dim={dim}): t has {tensor.dim()} dims, so dim must satisfy "
@@ -103,7 +106,7 @@ class BatchLevel(Level):
                     "(innermost first)")
             if out_dim is None or not isinstance(tensor, torch.Tensor):
                 return tensor
-            out_dim = _checked_out_dim(out_dim, tensor)
+            out_dim = _checked_out_dim(out_dim, tensor, cls)
             sizes = [-1] * (tensor.dim() + 1)
             sizes[out_dim] = self.batch_size
             return tensor.unsqueeze(out_dim).expand(sizes)
@@ -113,7 +116,8 @@ class BatchLevel(Level):
                 "only unbatched outputs may use out_dims=None"
             )
         inner = tensor._inner
-        if _checked_out_dim(out_dim, tensor) == tensor._bdim:
+        out_dim = _checked_out_dim(out_dim, tensor, cls)
+        if out_dim == tensor._bdim:
             return inner  # as torch.func does: no identity permute in eager or in a trace
         return inner.movedim(tensor._bdim, out_dim)
 
@@ -336,6 +340,27 @@ def batch_level(randomness: str = "error", batch_size: int | None = None) -> Ite
         yield cls
 
 
+class _LevelBlock:
+    """What ``vmap()`` returns: a context manager entering one fresh vmap level, once
+    (contextlib's would raise a bare AttributeError if entered again)."""
+
+    def __init__(self, randomness: str) -> None:
+        self._randomness = randomness
+        self._block: Any = None
+
+    def __enter__(self) -> type:
+        if self._block is not None:
+            raise RuntimeError(
+                "vmap(): this context manager was entered already. Each `with vmap() as B` "
+                "block makes its own level: call vmap() again for another block."
+            )
+        self._block = batch_level(self._randomness)
+        return self._block.__enter__()
+
+    def __exit__(self, *exc: object) -> Any:
+        return self._block.__exit__(*exc)
+
+
 def vmap(
     func: Callable | None = None,
     in_dims: Any = 0,
@@ -370,7 +395,7 @@ def vmap(
     """
     _check_randomness(randomness)
     if func is None:
-        return batch_level(randomness)
+        return _LevelBlock(randomness)
     if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size <= 0):
         raise ValueError(f"vmap: chunk_size should be None or an int greater than 0 (got "
                          f"{chunk_size!r})")
@@ -406,7 +431,10 @@ def _flat_inputs(func, in_dims, args) -> tuple[list, list, Any, int]:
             if type(d) is not int or type(a) is not torch.Tensor or not -a.dim() <= d < a.dim():
                 break  # the general path raises the error, or flattens
             refuse_functional("vmap", a)
-            sizes.add(a.shape[d])
+            try:
+                sizes.add(a.shape[d])
+            except RuntimeError:  # a nested tensor has no shape: the general path refuses it
+                break
         else:
             if len(sizes) == 1:
                 flat_dims = [None if d is None else d % a.dim() for a, d in zip(args, dims)]
@@ -445,6 +473,13 @@ def _flat_inputs(func, in_dims, args) -> tuple[list, list, Any, int]:
                 f"but the input is of type {type(arg)}. We cannot vmap over non-Tensor "
                 "arguments, please use None as the respective in_dim"
             )
+        if arg.is_nested:
+            raise NotImplementedError(
+                f"vmap({name}, in_dims={in_dims}, ...)(<inputs>): input {i} is a nested tensor "
+                "(torch.nested), which torchlevels' vmap cannot map over. Map over its "
+                "components instead (torch.nested.as_nested_tensor([f(t) for t in "
+                "nt.unbind()])), or vmap over a padded tensor (nt.to_padded_tensor(0.0))."
+            )
         refuse_functional("vmap", arg)
         if not -arg.dim() <= dim < arg.dim():
             raise ValueError(
@@ -464,17 +499,24 @@ def _flat_inputs(func, in_dims, args) -> tuple[list, list, Any, int]:
     return flat_args, flat_dims, spec, sizes[0]
 
 
-def _checked_out_dim(out_dim: int, example: torch.Tensor) -> int:
-    """``out_dim`` counted from the front of the batched output whose examples are shaped
-    as ``example``; an error naming vmap's argument if it is out of range."""
+def _checked_out_dim(out_dim: int, example: torch.Tensor, cls: type) -> int:
+    """``out_dim`` counted from the front of the batched output of level ``cls`` whose
+    examples are shaped as ``example``; an error naming vmap's out_dims (or, for a level
+    entered by ``with vmap() as B``, ``B.unwrap``'s out_dim) if it is not a dim of it."""
     rank = example.dim() + 1
-    if not -rank <= out_dim < rank:
-        raise IndexError(
-            f"vmap: out_dims={out_dim} is out of range for an output of shape "
-            f"{tuple(example.shape)} per example: with the batch dim it has {rank} dims, so "
-            f"out_dim must be in [{-rank}, {rank - 1}]"
-        )
-    return out_dim % rank
+    if isinstance(out_dim, int) and -rank <= out_dim < rank:
+        return out_dim % rank
+    name = "vmap: out_dims" if cls._level.functional else f"{cls.__name__}.unwrap: out_dim"
+    if not isinstance(out_dim, int):
+        raise TypeError(f"{name}={out_dim!r}: out_dim must be an int (or None for a tensor "
+                        f"that is not batched), got {type(out_dim).__name__}")
+    # torch.func raises TypeError for a dim no int64 holds, IndexError for the others
+    error = IndexError if -2**63 <= out_dim < 2**63 else TypeError
+    raise error(
+        f"{name}={out_dim} is out of range for an output of shape {tuple(example.shape)} "
+        f"per example: with the batch dim it has {rank} dims, so out_dim must be in "
+        f"[{-rank}, {rank - 1}]"
+    )
 
 
 def _broadcast_prefix(prefix: Any, spec: TreeSpec) -> list | None:
@@ -486,6 +528,7 @@ def _broadcast_prefix(prefix: Any, spec: TreeSpec) -> list | None:
 
 def _vmap_call(func, flat_args, flat_dims, spec, kwargs, out_dims, randomness, size):
     with entered(new_batch_class(randomness, size)) as B, predispatch.hook():
+        B._level.functional = True
         batched = [a if d is None else wrap_batched(B, a, d) for a, d in zip(flat_args, flat_dims)]
         out = func(*(batched if spec is None else tree_unflatten(batched, spec)), **kwargs)
         if type(out) is B and type(out_dims) is int:  # one batched tensor: no pytree work

@@ -63,6 +63,7 @@ def transpose(func, args, dims, kwargs):
     x, d0, d1 = args
     rank = x.dim() - 1
     if rank == 0:
+        wrap_dim(d0, 0), wrap_dim(d1, 0)  # torch's error for a dim a 0-dim example lacks
         return x, dims[0]
     return to_front(x, dims[0]).transpose(wrap_dim(d0, rank) + 1, wrap_dim(d1, rank) + 1), 0
 
