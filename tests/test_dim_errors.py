@@ -215,3 +215,120 @@ def test_dims_take_names_from_assigned_variables(dimlib):
 def test_dims_of_a_bad_count_raise(dimlib, n):
     with pytest.raises(ValueError, match="n must be an int >= 1"):
         dimlib.dims(n)
+
+
+# --------------------------------------------------------------------------------------
+# Positional dim numbers on a tensor whose dims are all first-class
+# --------------------------------------------------------------------------------------
+
+# functorch.dim hangs on unbind(0), cumsum(1) and sum(7) of such a tensor: the reference
+# for those is torch on a 0-dim tensor, which is what the tensor looks like positionally
+_DIM_NUMBER_OPS = {
+    "size(0)": (lambda x: x.size(0), True),
+    "size(-1)": (lambda x: x.size(-1), True),
+    "transpose(0, 1)": (lambda x: x.transpose(0, 1), True),
+    "movedim(0, 1)": (lambda x: x.movedim(0, 1), True),
+    "unbind(0)": (lambda x: x.unbind(0), False),
+    "cumsum(1)": (lambda x: x.cumsum(1), False),
+    "sum(7)": (lambda x: x.sum(7), False),
+}
+
+
+@pytest.mark.parametrize("op", list(_DIM_NUMBER_OPS))
+def test_dim_numbers_of_a_tensor_with_no_positional_dims(dimlib, op):
+    import functorch.dim
+
+    call, functorch_answers = _DIM_NUMBER_OPS[op]
+    A = torch.rand(3, 4)
+    with pytest.raises(Exception) as reference:
+        call(torch.tensor(1.0))
+    if functorch_answers:
+        rows, cols = functorch.dim.dims(2)
+        with pytest.raises(Exception) as functorch_error:
+            call(A[rows, cols])
+        assert functorch_error.type is reference.type
+    rows, cols = dimlib.dims(2)
+    with pytest.raises(reference.type, match=r"0 positional dims.*first-class dims \(rows, cols\)"):
+        call(A[rows, cols])
+
+
+def test_dim_numbers_out_of_range_name_the_first_class_dims(dimlib):
+    # functorch.dim returns a value for x.mean(dim=(rows, 5)), ignoring the 5: torch raises
+    A = torch.rand(3, 4)
+    with pytest.raises(Exception) as reference:
+        A.mean(dim=(0, 5))
+    rows = dimlib.dims(1)
+    with pytest.raises(reference.type, match=r"1 positional dims.*first-class dims \(rows\)"):
+        A[rows].mean(dim=(rows, 5))
+    with pytest.raises(reference.type, match=r"1 positional dims.*first-class dims \(rows\)"):
+        A[rows].sum((rows, -2))
+
+
+# --------------------------------------------------------------------------------------
+# Python values of a tensor with first-class dims
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("read", [
+    lambda x: x.item(), lambda x: x.tolist(), lambda x: x.numpy(), float, int,
+], ids=["item", "tolist", "numpy", "float", "int"])
+def test_python_value_of_a_tensor_with_first_class_dims(dimlib, read):
+    import functorch.dim
+
+    A = torch.rand(3, 4)
+    rows, cols = functorch.dim.dims(2)
+    with pytest.raises(Exception) as reference:
+        read(A[rows, cols])
+    rows, cols = dimlib.dims(2)
+    with pytest.raises(reference.type,
+                       match=r"first-class dims \(rows, cols\).*\.order\(rows, cols\)"):
+        read(A[rows, cols])
+
+
+# --------------------------------------------------------------------------------------
+# Errors of ops name the shapes the user sees
+# --------------------------------------------------------------------------------------
+
+
+def test_mm_of_mismatched_shapes_names_positional_shapes_and_dims(dimlib):
+    import functorch.dim
+
+    A, B = torch.rand(3, 4), torch.rand(5, 4)
+    rows, cols = functorch.dim.dims(2)
+    with pytest.raises(Exception) as reference:
+        torch.mm(A[rows], B[cols])
+    rows, cols = dimlib.dims(2)
+    with pytest.raises(reference.type,
+                       match=r"\(4,\) over rows \(size 3\) and \(4,\) over cols \(size 5\)"):
+        torch.mm(A[rows], B[cols])
+
+
+def test_broadcast_mismatch_names_positional_shapes_and_dims(dimlib):
+    import functorch.dim
+
+    A = torch.rand(3, 4)
+    rows = functorch.dim.dims(1)
+    with pytest.raises(Exception) as reference:
+        A[rows] + torch.rand(5)
+    rows = dimlib.dims(1)
+    with pytest.raises(reference.type, match=r"\(4,\) over rows \(size 3\) and \(5,\)"):
+        A[rows] + torch.rand(5)
+
+
+# --------------------------------------------------------------------------------------
+# DimList.size()
+# --------------------------------------------------------------------------------------
+
+
+def test_dimlist_size_is_its_length_once_bound(dimlib):
+    import functorch.dim
+
+    reference = functorch.dim.dimlists(1)
+    with pytest.raises(functorch.dim.DimensionBindError):
+        reference.size()
+    reference.bind_len(2)
+    batch = dimlib.dimlists(1)
+    with pytest.raises(dimlib.DimensionBindError, match="batch.*unbound"):
+        batch.size()
+    torch.rand(2, 3)[batch]
+    assert batch.size() == reference.size() == len(batch)

@@ -61,7 +61,12 @@ class _Tensor:
         return self._tensor.shape[len(self._dims):]
 
     def size(self, dim: int | None = None) -> torch.Size | int:
-        return self.shape if dim is None else self.shape[dim]
+        if dim is None:
+            return self.shape
+        try:
+            return self.shape[dim]
+        except IndexError:
+            raise IndexError(_ops.out_of_range(self, f"size({dim})")) from None
 
     def numel(self) -> int:
         return self.shape.numel()
@@ -76,6 +81,12 @@ class _Tensor:
             f"the truth value of a tensor with first-class dims {self._dims} is ambiguous: "
             "reduce over them (.all(dims), .any(dims)) or .order() them first"
         )
+
+    def __float__(self) -> float:
+        raise ValueError(_ops.python_value(self, "float()"))
+
+    def __int__(self) -> int:
+        raise ValueError(_ops.python_value(self, "int()"))
 
     def __iter__(self):
         return (self[k] for k in range(len(self)))

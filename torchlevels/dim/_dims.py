@@ -151,6 +151,10 @@ class DimList:
             )
         return self._dims
 
+    def size(self) -> int:
+        """The number of dims in the list (functorch.dim's ``DimList.size()``)."""
+        return len(self._bound())
+
     def __len__(self) -> int:
         return len(self._bound())
 

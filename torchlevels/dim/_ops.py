@@ -274,7 +274,58 @@ def _special() -> dict:
         torch.stack: _functions.stack_positional,
         torch.Tensor.split: _functions.split,
         torch.split: _functions.split,
+        # functorch.dim raises RuntimeError for these too
+        torch.Tensor.item: _no_python_value("item()"),
+        torch.Tensor.tolist: _no_python_value("tolist()"),
+        torch.Tensor.numpy: _no_python_value("numpy()"),
     }
+
+
+def _no_python_value(what: str):
+    def refuse(x: _Tensor, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(python_value(x, what))
+    return refuse
+
+
+def python_value(x: _Tensor, what: str) -> str:
+    """Why ``x.item()`` (``what``) has no value: ``x`` is one tensor per element of its dims."""
+    dims = ", ".join(map(repr, x._dims))
+    return (f"{what} of a tensor that still has first-class dims ({dims}): it holds one "
+            f"value per element of them. Call .order({dims}) first for a plain tensor, or "
+            "reduce over them (.sum(dim), ...)")
+
+
+def out_of_range(x: _Tensor, what: str) -> str:
+    """Why a positional dim number given to ``what`` is out of range for ``x``."""
+    n = x.ndim
+    dims = ", ".join(map(repr, x._dims))
+    numbers = f", so a dim number is in [{-n}, {n - 1}]" if n else ", like a 0-dim tensor"
+    return (f"{what}: dimension out of range: the tensor has {n} positional dims (shape "
+            f"{tuple(x.shape)}){numbers}; its first-class dims ({dims}) are not numbered: "
+            "pass a first-class dim itself, or .order() it to make it positional")
+
+
+def _explained(func, flat: list, error: Exception) -> Exception | None:
+    """``error`` from ``func`` on the inputs ``flat``, told in terms of what the user sees:
+    dim numbers count positional dims only, and the shapes the op ran on held the
+    first-class dims too. None to raise ``error`` as it is."""
+    name = getattr(func, "__name__", str(func))
+    message = str(error)
+    if type(error) is IndexError and message.startswith(("Dimension out of range",
+                                                         "Dimension specified as")):
+        first = next((x for x in flat if isinstance(x, _Tensor)), None)
+        return IndexError(out_of_range(first, name)) if first is not None else None
+    if type(error) is not RuntimeError:
+        return None
+    seen = [f"{tuple(x.shape)}" + (" over " + ", ".join(f"{d!r} (size {d.size})"
+                                                          for d in x._dims)
+                                   if isinstance(x, _Tensor) else "")
+            for x in flat if isinstance(x, (torch.Tensor, _Tensor))]
+    return RuntimeError(
+        f"{message}\n(in {name} on tensors with first-class dims: the inputs' positional "
+        f"shapes are {' and '.join(seen)}; {name} ran batched over the first-class dims, "
+        "so the sizes above may include them)"
+    )
 
 
 _DUNDER_OPS = {
@@ -357,7 +408,13 @@ def pointwise(func, args: tuple, kwargs: dict) -> Any:
             else x.view(1) if isinstance(x, torch.Tensor) and x.ndim == 0 else x
             for x in flat]
     a, k = tree_unflatten(flat, spec)
-    out = func(*a, **k)
+    try:
+        out = func(*a, **k)
+    except (RuntimeError, IndexError) as e:
+        explained = _explained(func, tree_flatten((args, kwargs))[0], e)
+        if explained is None:
+            raise
+        raise explained from e
     return tree_map(lambda o: wrap(o, dims) if isinstance(o, torch.Tensor) else o, out)
 
 
@@ -406,9 +463,12 @@ def batched(func, args: tuple, kwargs: dict) -> Any:
         a, kw = tree_unflatten(flat, spec)
         try:
             out = func(*a, **kw)
-        except RuntimeError as e:
+        except (RuntimeError, IndexError) as e:
             _dim_where_int_expected(func, args, kwargs, e)
-            raise
+            explained = _explained(func, tree_flatten((args, kwargs))[0], e)
+            if explained is None:
+                raise
+            raise explained from e
         result = tree_map(lambda o: _leave(o, dims, levels), out)
     if isinstance(first, Tensor) and out is flat[0] and isinstance(result, Tensor):
         # an in-place op returns its input: the tensor itself changes (unsqueeze_ its shape)
@@ -482,9 +542,7 @@ def _axes(x: _Tensor, spec: Any) -> list[int]:
         return [k]
     if isinstance(spec, int):
         if not -x.ndim <= spec < x.ndim:
-            raise IndexError(
-                f"positional dim {spec} out of range for a tensor with {x.ndim} positional dims"
-            )
+            raise IndexError(out_of_range(x, f"dim {spec}"))
         return [len(x._dims) + spec % x.ndim]
     raise TypeError(f"expected a Dim, a DimList or an int, got {type(spec).__name__}")
 

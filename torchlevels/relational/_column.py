@@ -20,6 +20,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import torch
@@ -97,6 +98,12 @@ def _time_value(value: datetime.date, kind: str) -> int:
 
 def _describe(x: object) -> str:
     return x.describe() if isinstance(x, Column) else f"{x!r} ({_const_kind(x)})"
+
+
+def _python(x: object) -> object:
+    """A NumPy scalar as the Python value it holds (``np.int64(2)`` is ``2``), as pandas
+    and DuckDB take it; anything else as it is."""
+    return x.item() if isinstance(x, np.generic) else x
 
 
 def _const_kind(x: object, column_kind: str | None = None) -> str:
@@ -353,6 +360,7 @@ class Column:
 
     # -- elementwise ops -----------------------------------------------------------------
     def _binary(self, other, op: str, symbol: str, compare=False, flip=False):
+        other = _python(other)
         if isinstance(other, Cross) or (
             isinstance(other, Column) and _crosses(self, other)
         ):
@@ -474,6 +482,7 @@ class Column:
 
     def fill_null(self, value) -> Column:
         """The column with nulls replaced by ``value`` (SQL's COALESCE)."""
+        value = _python(value)
         kind = _common_kind(self.kind, _const_kind(value, self.kind),
                             f"coalesce({_describe(self)}, {_describe(value)})")
         if self.valid is None:
@@ -494,7 +503,13 @@ class Column:
             >>> Table({"s": ["a", "b", "c"]})["s"].isin(["a", "c"]).to_arrow().to_pylist()
             [True, False, True]
         """
-        values = list(values)
+        if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+            raise TypeError(
+                f"isin takes a collection of values (a list, tuple, set or array), got "
+                f"{values!r} ({type(values).__name__}); to compare with one value use =="
+            )
+        values = values.tolist() if isinstance(values, torch.Tensor) else list(values)
+        values = [_python(v) for v in values]
         if self.kind == "str":
             for v in values:
                 if not isinstance(v, str):
@@ -590,12 +605,25 @@ class Column:
             [10, 20]
         """
         if not same_dims(dims, self.dims) or len(dims) != 1:
-            raise ValueError(
-                f"order{dims!r}: {self.describe()} can be ordered by exactly its one dim "
-                f"{self.dims!r}; to list grouped rows use Rows.order(G, J)"
-            )
+            raise ValueError(f"order{dims!r}: {self._not_orderable()}")
         return Column(self.values, self.kind, valid=self.valid, dictionary=self.dictionary,
                       name=self.name)
+
+    def _not_orderable(self) -> str:
+        """Why ``order`` does not take the dims it was given."""
+        if self._is_scalar():
+            return (f"{self.describe()} is a single value (an aggregate), with no rows to "
+                    "order: read it with .item()")
+        if not self.dims:
+            return (f"{self.describe()} is positional (a column of a Table): it is already "
+                    "in row order")
+        if self.groups is not None and len(self.dims) == 2:
+            G, J = self.dims
+            return (f"{self.describe()} is grouped, with a jagged dim {J!r} inside each "
+                    f"group: reduce over {J!r} for a column over {G!r} (x.sum({J!r})"
+                    f".order({G!r})), or list the grouped rows with rows.order({G!r}, {J!r})")
+        own = ", ".join(map(repr, self.dims))
+        return f"{self.describe()} is ordered by its own dim: .order({own})"
 
 
 def _match_like(strings: pa.Array, pattern: str) -> pa.Array:
@@ -699,6 +727,7 @@ def _broadcast(scalar: Column, like: Column) -> Column:
 def _broadcast_const(like: Column, value, column_kind: str | None = None) -> Column:
     """``value`` as a column over ``like``'s rows, of the kind it takes next to a column of
     ``column_kind`` (``like``'s kind unless given: see :func:`_const_kind`)."""
+    value = _python(value)
     kind = _const_kind(value, column_kind or like.kind)
     if kind == "str":
         dictionary = pa.array([value], pa.string())
@@ -774,6 +803,7 @@ def _compare_const(col: Column, value, op, symbol, flip, name) -> Column:
 
 
 def _logical(a, b, op: str):
+    b = _python(b)
     if isinstance(b, Cross) or (isinstance(b, Column) and _crosses(a, b)):
         return Cross(op, (a, b), "&" if op == "and" else "|")
     if isinstance(b, bool):

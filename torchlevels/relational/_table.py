@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable, Mapping, Sequence
 
 import pyarrow as pa
@@ -136,15 +137,47 @@ class Table:
             index = index[order]
             if col.valid is not None:
                 index = index[torch.argsort((~col.valid[index]).to(torch.int8), stable=True)]
-        return self.take(index)
+        return self._take(index)
 
-    def take(self, index: torch.Tensor) -> Table:
-        """The rows at ``index``, in that order."""
+    def take(self, index: torch.Tensor | Sequence[int]) -> Table:
+        """The rows at ``index`` (row numbers: an int tensor or a list of ints), in that
+        order; a negative number counts from the end, as in pandas.
+
+        Example::
+
+            >>> from torchlevels.relational import Table
+            >>> Table({"x": [1, 2, 3]}).take([2, 0, -1])["x"].to_arrow().to_pylist()
+            [3, 1, 3]
+        """
+        index = torch.as_tensor(index, device=self.device)
+        if not index.numel():
+            index = index.long()  # torch.as_tensor([]) is of floats
+        if index.dtype.is_floating_point or index.dtype.is_complex or index.dtype == torch.bool:
+            raise TypeError(f"take: the index must hold ints (row numbers), got a "
+                            f"{index.dtype} tensor; to filter rows use where(mask, rows)")
+        if index.ndim != 1:
+            raise ValueError(f"take: the index must be 1-D, got shape {tuple(index.shape)}")
+        n = self._num_rows
+        if index.numel():
+            bad = index[(index < -n) | (index >= n)]
+            if bad.numel():
+                raise IndexError(f"take: index {int(bad[0])} is out of range for a table of "
+                                 f"{n} rows (valid: {-n} to {n - 1})")
+            index = torch.where(index < 0, index + n, index)
+        return self._take(index)
+
+    def _take(self, index: torch.Tensor) -> Table:
         return Table({name: c.take(index) for name, c in self._columns.items()})
 
     def head(self, n: int = 5) -> Table:
-        """The first ``n`` rows."""
-        return self.take(torch.arange(min(n, self._num_rows), device=self.device))
+        """The first ``n`` rows (all of them if there are fewer)."""
+        if not isinstance(n, numbers.Integral):
+            raise TypeError(f"head(n={n!r}): n must be an int, got {type(n).__name__}")
+        if n < 0:
+            raise ValueError(f"head(n={n}): n must be >= 0, the number of rows to keep; for "
+                             f"all rows but the last {-n} (pandas' head({n})) use "
+                             f"take(range(len(table) - {-n}))")
+        return self._take(torch.arange(min(n, self._num_rows), device=self.device))
 
     @property
     def device(self) -> torch.device:
