@@ -7,36 +7,15 @@ import pytest
 import torch
 import torch.autograd.forward_ad as fwAD
 import torch.func as tf
-from torch.utils._pytree import tree_flatten
+from test_transforms_api import assert_same_error, assert_tree_close, error_of
 
 import torchlevels as tl
 from torchlevels import EscapedTensorError, jvp_level
 
 
-def error_of(call):
-    try:
-        call()
-    except Exception as e:  # noqa: BLE001 (any exception: its type is compared)
-        return e
-    return None
-
-
-def assert_same_error(make_call, match=None):
-    """``make_call(lib)`` raises with torchlevels the exception type torch.func raises."""
-    expected = error_of(lambda: make_call(tf))
-    assert expected is not None, "torch.func did not raise: the case is wrong"
-    with pytest.raises(type(expected)) as info:
-        make_call(tl)
-    if match is not None:
-        assert match in str(info.value), str(info.value)
-    return info.value
-
-
 def assert_same_values(make_call):
-    actual, expected = tree_flatten(make_call(tl))[0], tree_flatten(make_call(tf))[0]
-    assert len(actual) == len(expected)
-    for a, e in zip(actual, expected):
-        torch.testing.assert_close(a, e)
+    """``make_call(lib)`` gives with torchlevels what it gives with torch.func."""
+    assert_tree_close(make_call(tl), make_call(tf))
 
 
 X = torch.randn(3, generator=torch.Generator().manual_seed(0))
