@@ -157,6 +157,26 @@ def test_foreign_subclass_mixed_with_batched_returns_not_implemented_first():
     torch.testing.assert_close(vmap(f)(xs), xs + w)
 
 
+@pytest.mark.parametrize("transform", ["grad", "vjp", "vmap(grad)"])
+def test_foreign_subclass_as_a_transform_input(transform):
+    """A grad level's shortcuts find the foreign tensor inside their own: they give the
+    call to it, as torch.func does."""
+    xs = torch.randn(4, 3)
+
+    def loss(x):
+        return (x.sin() * 2 + x).sum()
+
+    def run(lib):
+        calls = {"grad": lambda x: lib.grad(loss)(x[0]),
+                 "vjp": lambda x: lib.vjp(loss, x)[1](torch.tensor(1.0))[0],
+                 "vmap(grad)": lambda x: lib.vmap(lib.grad(loss))(x)}
+        out = calls[transform](LoggingTensor(xs))
+        assert isinstance(out, LoggingTensor)
+        return out.elem
+
+    torch.testing.assert_close(run(torchlevels), run(torch.func))
+
+
 class Tagged(torch.Tensor):  # torch.Tensor's own __torch_function__, as a bare subclass has
     pass
 

@@ -89,8 +89,8 @@ def _on_inner(cls, func, args, kwargs) -> Any:
                 return None  # autograd outside records on the wrapper itself
             a = a._inner
             t = type(a)
-            if t in _PLAIN or not t._has_torch_function:  # plain, or a tool's
-                found[1] = found[1] or requires_grad_flag(a)
+            if t in _PLAIN or (issubclass(t, LevelTensor) and not t._has_torch_function):
+                found[1] = found[1] or requires_grad_flag(a)  # plain, or a tool's: _tool_level
             else:
                 found[0] = True
         elif t in _NUMBERS:
@@ -128,6 +128,13 @@ def _index_of_tensors(index: Any) -> bool:
     return all(basic_index(i) or isinstance(i, torch.Tensor) for i in items)
 
 
+def _tool_level(t: type) -> bool:
+    """Whether tensors of type ``t`` are of a tool's level (count_flops...), which answers
+    no calls in ``__torch_function__``: they count as plain here. A vmap level's do not,
+    nor do a foreign subclass's (a user's ``LoggingTensor``)."""
+    return issubclass(t, LevelTensor) and not t._has_torch_function
+
+
 def _inner_of(cls, a: Any, found: list) -> Any:
     """Argument ``a`` of a call on level ``cls``: its inner tensor if it is ours, as it is
     if plain or of an enclosing level (noting in ``found`` whether a tensor of an enclosing
@@ -149,8 +156,8 @@ def _inner_of(cls, a: Any, found: list) -> Any:
         if isinstance(a, torch.Tensor):
             return _DECLINE  # of a deeper or an unrelated level, or a foreign subclass
         return a  # a number, a dtype, None...
-    if t in _PLAIN or not t._has_torch_function:  # an inner tensor, or one unbatched
-        found[1] = found[1] or requires_grad_flag(a)  # here (a captured tensor), or a tool's
+    if t in _PLAIN or _tool_level(t):  # an inner tensor, one unbatched here (a captured
+        found[1] = found[1] or requires_grad_flag(a)  # tensor), or a tool's
     else:
         found[0] = True
     return a
