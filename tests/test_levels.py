@@ -115,7 +115,8 @@ class LoggingTensor(torch.Tensor):
 
     @staticmethod
     def __new__(cls, elem):
-        out = torch.Tensor._make_wrapper_subclass(cls, elem.shape, dtype=elem.dtype)
+        out = torch.Tensor._make_wrapper_subclass(cls, elem.shape, strides=elem.stride(),
+                                                  dtype=elem.dtype)
         out.elem = elem
         return out
 
@@ -175,6 +176,82 @@ def test_foreign_subclass_as_a_transform_input(transform):
         return out.elem
 
     torch.testing.assert_close(run(torchlevels), run(torch.func))
+
+
+def _run_on_logged(lib, transform, x, closure):
+    """``transform`` of a function of ``x`` that also reads ``closure`` (a tensor)."""
+    ones = torch.ones_like(x)
+    f = lambda y: y.sin() * closure + y  # noqa: E731
+    s = lambda y: f(y).sum()  # noqa: E731
+    calls = {
+        "vmap": lambda: lib.vmap(f)(torch.stack([x, 2 * x])),
+        "jvp": lambda: lib.jvp(f, (x,), (ones,)),
+        "vmap(jvp)": lambda: lib.vmap(lambda y: lib.jvp(f, (y,), (y,)))(torch.stack([x, -x])),
+        "jacrev": lambda: lib.jacrev(f)(x),
+        "jacfwd": lambda: lib.jacfwd(f)(x),
+        "hessian": lambda: lib.hessian(s)(x),
+        "vmap(jacrev)": lambda: lib.vmap(lib.jacrev(f))(torch.stack([x, -x])),
+        "grad": lambda: lib.grad(s)(x),
+        "vjp": lambda: lib.vjp(f, x)[1](ones),
+    }
+    return calls[transform]()
+
+
+def _plain(t):
+    return t.elem if isinstance(t, LoggingTensor) else t
+
+
+@pytest.mark.parametrize("transform", ["jacrev", "jacfwd", "hessian", "vmap(jacrev)"])
+def test_foreign_subclass_input_to_jacobians(transform):
+    """The basis of cotangents (jacrev) is plain when the outputs are foreign below the
+    levels, so the foreign tensor stays innermost, as under torch.func; vmap unwraps its
+    results out of a foreign wrapper (jacfwd)."""
+    x, w = torch.randn(3), torch.randn(3)
+    ours = _run_on_logged(torchlevels, transform, LoggingTensor(x), w)
+    theirs = _run_on_logged(torch.func, transform, LoggingTensor(x), w)
+    assert type(ours) is type(theirs) is LoggingTensor
+    torch.testing.assert_close(ours.elem, theirs.elem)
+
+
+@pytest.mark.parametrize("transform", ["vmap", "jvp", "vmap(jvp)", "jacfwd"])
+def test_foreign_subclass_from_a_closure_wraps_the_results(transform):
+    """``y * LoggingTensor(w)`` lets the logging tensor go first, so it wraps the level's
+    tensor: vmap and jvp unwrap their results inside it (an op it passes on)."""
+    x, w = torch.randn(3), torch.randn(3)
+    ours = _run_on_logged(torchlevels, transform, x, LoggingTensor(w))
+    theirs = _run_on_logged(torch.func, transform, x, LoggingTensor(w))
+    assert tree_map(type, ours) == tree_map(type, theirs)
+    torch.testing.assert_close(tree_map(_plain, ours), tree_map(_plain, theirs))
+
+
+@pytest.mark.parametrize("tool", ["count_flops", "log_ops"])
+def test_foreign_subclass_from_a_closure_under_a_tool(tool):
+    x, w = torch.randn(3), torch.randn(3)
+    f = lambda y: y.sin() * LoggingTensor(w) + y  # noqa: E731
+    out = getattr(torchlevels, tool)(f)(x)
+    assert type(out) is LoggingTensor and type(out.elem) is torch.Tensor  # not the tool's
+    torch.testing.assert_close(out.elem, f(x).elem)
+
+
+def test_two_tensor_from_a_closure_under_vmap():
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    xs, w = torch.randn(4, 3), torch.randn(3)
+    pair = TwoTensor(w, 2 * w)
+    ours, theirs = vmap(lambda x: x * pair)(xs), func_vmap(lambda x: x * pair)(xs)
+    assert type(ours) is TwoTensor
+    torch.testing.assert_close((ours.a, ours.b), (theirs.a, theirs.b))
+
+
+@pytest.mark.parametrize("transform", ["grad", "vjp", "jacrev", "hessian"])
+def test_foreign_subclass_from_a_closure_under_reverse_mode_is_refused(transform):
+    """Its ops on the level's tensors ran inside it, so the level recorded them on the
+    tensors it wraps and the wrapper has no history: a clear error where torch.func works
+    (this gave zero gradients before)."""
+    x, w = torch.randn(3), torch.randn(3)
+    with pytest.raises(NotImplementedError, match="LoggingTensor wrapping a tensor of .*closure"):
+        _run_on_logged(torchlevels, transform, x, LoggingTensor(w))
+    _run_on_logged(torch.func, transform, x, LoggingTensor(w))  # which works
 
 
 class Tagged(torch.Tensor):  # torch.Tensor's own __torch_function__, as a bare subclass has

@@ -53,6 +53,52 @@ requires_grad_flag = _REQUIRES_GRAD.__get__
 set_requires_grad_flag = _REQUIRES_GRAD.__set__
 
 
+# An op that a foreign subclass passes on to the tensors it wraps, as it passes any op:
+# ``through(t, fn)`` runs ``fn`` on each of them (see :func:`through`).
+_library = torch.library.Library("torchlevels", "DEF")  # kept alive for the process
+_library.define("through(Tensor self) -> Tensor")
+_through_fn: contextvars.ContextVar = contextvars.ContextVar("torchlevels_through")
+_library.impl("through", lambda t: _through_fn.get()(t), "CompositeExplicitAutograd")
+_THROUGH = torch.ops.torchlevels.through.default
+
+
+def is_foreign(t: Any) -> bool:
+    """Whether ``t`` is a tensor of a subclass torchlevels does not know that handles ops
+    itself (a user's logging tensor), which may wrap tensors of a level."""
+    return (isinstance(t, torch.Tensor) and not isinstance(t, LevelTensor)
+            and type(t).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__)
+
+
+def through(tensor: torch.Tensor, fn: Any) -> torch.Tensor:
+    """``fn`` run on the tensors that foreign subclass ``tensor`` wraps, as an op that it
+    passes on to them: a level's unwrap reaches its own tensors inside a foreign one
+    (``x + LoggingTensor(w)`` under vmap gives a logging tensor around a batched one)."""
+    if requires_grad_flag(tensor) and torch.is_grad_enabled():
+        raise NotImplementedError(
+            f"torchlevels: a {type(tensor).__name__} that requires grad wraps a tensor of a "
+            "transform, which cannot be unwrapped through it keeping its history. Pass "
+            f"the {type(tensor).__name__} to the transformed function as an input instead "
+            "of using it from outside (a closure)")
+    token = _through_fn.set(fn)
+    try:
+        return _THROUGH(tensor)
+    finally:
+        _through_fn.reset(token)
+
+
+def wraps(tensor: torch.Tensor, cls: type[LevelTensor]) -> bool:
+    """Whether foreign subclass ``tensor`` wraps a tensor of level ``cls``."""
+    found = []
+
+    def note(t: torch.Tensor) -> torch.Tensor:
+        found.append(type(t) is cls or (is_foreign(t) and wraps(t, cls)))
+        return t
+
+    with torch.no_grad():  # only looks
+        through(tensor, note)
+    return any(found)
+
+
 class EscapedTensorError(RuntimeError):
     """A tensor of a transform that has already exited was used."""
 
@@ -168,6 +214,8 @@ class LevelTensor(torch.Tensor):
                     "tensor of one transform before using it in the other."
                 )
             return NotImplemented  # a foreign subclass: let it go first
+        if func is _THROUGH:
+            return _through_fn.get()(args[0])
         if func is _DETACH and not _autograd_excluded(_AUTOGRAD):
             # autograd's own shallow copy (a saved output), not a user's detach: keep the
             # value and its history in every enclosing level (see DESIGN.md, the detach trap)

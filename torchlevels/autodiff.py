@@ -41,14 +41,17 @@ from torchlevels._level import (
     entered,
     follow_inner,
     innermost,
+    is_foreign,
     mark_level_graph,
     new_level_class,
     requires_grad_flag,
     set_requires_grad_flag,
+    through,
     tracked_outside,
     unwrap_own,
     wrap_all,
     wrap_inner,
+    wraps,
 )
 from torchlevels.batching import predispatch
 from torchlevels.batching.composite import call_recorded
@@ -157,7 +160,18 @@ class GradLevel(Level):
 
     def unwrap(self, cls, tensor: Any) -> Any:
         """The tensor one level out, still carrying this level's graph."""
-        return tensor._inner if type(tensor) is cls else tensor
+        if type(tensor) is cls:
+            return tensor._inner
+        if is_foreign(tensor) and wraps(tensor, cls):
+            # its ops on our tensors ran inside it: this level recorded them on the
+            # tensors it wraps, so the wrapper itself has no history to differentiate
+            raise NotImplementedError(
+                f"{self.kind}: an output is a {type(tensor).__name__} wrapping a tensor of "
+                f"{self.describe()}, so its derivative cannot be taken through that "
+                f"subclass. This happens when a {type(tensor).__name__} made outside the "
+                "function is used in it (a closure): pass it to the function as an input "
+                "instead, or take the wrapped tensor out of it before returning.")
+        return tensor
 
     def rewrap(self, cls, tensor: torch.Tensor) -> torch.Tensor:
         return wrap_inner(cls, tensor._inner)
@@ -454,6 +468,9 @@ class JvpLevel(Level):
         if type(tensor) is cls:
             tangent = tensor._tangent
             return tensor._inner, torch.zeros_like(tensor._inner) if tangent is None else tangent
+        if is_foreign(tensor) and wraps(tensor, cls):  # its ops on ours ran inside it
+            return (through(tensor, lambda t: self.unwrap(cls, t)[0]),
+                    through(tensor, lambda t: self.unwrap(cls, t)[1]))
         return tensor, torch.zeros_like(tensor)
 
     def rewrap(self, cls, tensor: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,7 @@ from torch.func import functional_call, stack_module_state
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from torchlevels._dim_inputs import accepts_dims
-from torchlevels._level import LevelTensor, innermost, refuse_functional
+from torchlevels._level import LevelTensor, innermost, is_foreign, refuse_functional
 from torchlevels._torch_compile import eager
 from torchlevels.autodiff import (
     CapturedMutationError,
@@ -448,10 +448,11 @@ def _basis(tensors: list[torch.Tensor], below: bool = True) -> list[torch.Tensor
     """
     total = sum(t.numel() for t in tensors)
     first = tensors[0]
-    if first.layout == torch.strided:
-        eye = (_below_transforms(first) if below else first).new_zeros(total, total)
+    maker = _below_transforms(first) if below else first
+    if first.layout == torch.strided and not (below and is_foreign(maker)):
+        eye = maker.new_zeros(total, total)
         eye.diagonal().fill_(1)
-    else:  # sparse outputs: a dense basis
+    else:  # sparse outputs, or a foreign subclass's below the levels: a dense plain basis
         eye = torch.eye(total, dtype=first.dtype, device=first.device)
     out, start = [], 0
     for t in tensors:

@@ -25,6 +25,7 @@ from torchlevels._level import (
     autograd_on,
     data_property,
     entered,
+    is_foreign,
     lazy_bits_on,
     new_level_class,
     preserved_dispatch_keys,
@@ -32,7 +33,9 @@ from torchlevels._level import (
     requires_grad_flag,
     set_logical_meta,
     show_lazy_bits,
+    through,
     tracked_outside,
+    wraps,
 )
 from torchlevels._torch_compile import eager
 from torchlevels.batching import predispatch, shortcuts
@@ -106,6 +109,8 @@ class BatchLevel(Level):
                     "(innermost first)")
             if out_dim is None or not isinstance(tensor, torch.Tensor):
                 return tensor
+            if is_foreign(tensor) and wraps(tensor, cls):  # its ops on ours ran inside it
+                return through(tensor, lambda t: self.unwrap(cls, t, out_dim))
             out_dim = _checked_out_dim(out_dim, tensor, cls)
             sizes = [-1] * (tensor.dim() + 1)
             sizes[out_dim] = self.batch_size

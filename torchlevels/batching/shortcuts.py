@@ -101,9 +101,9 @@ def _level_scalars(index: Any) -> list[int]:
 
 def _index_by_level_scalars(func, args: tuple, scalars: list[int]) -> Any:
     """``x[i]`` (or ``x[i] = v``) with ``i`` a 0-dim integer tensor of a level (at the
-    positions ``scalars`` of the index). PyTorch
-    reads such an index as a Python int, which a batched one does not have; it indexes as
-    the tensor ``i[None]`` does, less the size-1 dim that adds (found on meta tensors)."""
+    positions ``scalars`` of the index). PyTorch reads such an index as a Python int,
+    which a batched one does not have; it indexes as the tensor ``i[None]`` does, less
+    the size-1 dim that adds (found on meta tensors)."""
     x, index = args[0], args[1]
     items = index if type(index) is tuple else (index,)
     if any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in items):

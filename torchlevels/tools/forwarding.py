@@ -22,9 +22,12 @@ from torchlevels._level import (
     LevelTensor,
     autograd_on,
     follow_inner,
+    is_foreign,
+    through,
     unwrap_own,
     wrap_all,
     wrap_inner,
+    wraps,
 )
 from torchlevels.batching.registry import writes_first_argument
 
@@ -63,7 +66,11 @@ class ForwardingLevel(Level):
 
     def unwrap(self, cls: type[LevelTensor], tensor: Any) -> Any:
         """The tensor one level out (anything else as is)."""
-        return tensor._inner if type(tensor) is cls else tensor
+        if type(tensor) is cls:
+            return tensor._inner
+        if is_foreign(tensor) and wraps(tensor, cls):  # its ops on ours ran inside it
+            return through(tensor, lambda t: self.unwrap(cls, t))
+        return tensor
 
     def rewrap(self, cls: type[LevelTensor], tensor: torch.Tensor) -> torch.Tensor:
         return wrap_inner(cls, tensor._inner)
