@@ -233,6 +233,25 @@ def test_foreign_subclass_from_a_closure_under_a_tool(tool):
     torch.testing.assert_close(out.elem, f(x).elem)
 
 
+class _Picky(LoggingTensor):
+    """A subclass that refuses the ops it does not know, torchlevels' own among them."""
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if func.namespace != "aten":
+            raise NotImplementedError(f"_Picky: no rule for {func}")
+        unwrap = lambda t: t.elem if isinstance(t, _Picky) else t  # noqa: E731
+        wrap = lambda t: _Picky(t) if isinstance(t, torch.Tensor) else t  # noqa: E731
+        return tree_map(wrap, func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {})))
+
+
+def test_a_subclass_refusing_unknown_ops_is_still_an_unbatched_result():
+    xs, w = torch.randn(5, 3), torch.randn(3)
+    ours, theirs = vmap(lambda x: _Picky(w))(xs), func_vmap(lambda x: _Picky(w))(xs)
+    assert type(ours) is _Picky and type(ours.elem) is torch.Tensor
+    torch.testing.assert_close(ours.elem, theirs.elem)
+
+
 def test_two_tensor_from_a_closure_under_vmap():
     from torch.testing._internal.two_tensor import TwoTensor
 

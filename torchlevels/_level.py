@@ -87,15 +87,21 @@ def through(tensor: torch.Tensor, fn: Any) -> torch.Tensor:
 
 
 def wraps(tensor: torch.Tensor, cls: type[LevelTensor]) -> bool:
-    """Whether foreign subclass ``tensor`` wraps a tensor of level ``cls``."""
+    """Whether foreign subclass ``tensor`` wraps a tensor of level ``cls``. A subclass
+    that refuses ops it does not know (``through`` among them) wraps none."""
     found = []
 
     def note(t: torch.Tensor) -> torch.Tensor:
         found.append(type(t) is cls or (is_foreign(t) and wraps(t, cls)))
         return t
 
-    with torch.no_grad():  # only looks
-        through(tensor, note)
+    try:
+        with torch.no_grad():  # only looks
+            through(tensor, note)
+    except Exception:
+        if not found:
+            return False
+        raise
     return any(found)
 
 
