@@ -86,13 +86,16 @@ def through(tensor: torch.Tensor, fn: Any) -> torch.Tensor:
         _through_fn.reset(token)
 
 
-def wraps(tensor: torch.Tensor, cls: type[LevelTensor]) -> bool:
-    """Whether foreign subclass ``tensor`` wraps a tensor of level ``cls``. A subclass
-    that refuses ops it does not know (``through`` among them) wraps none."""
+def wraps(tensor: Any, cls: type[LevelTensor]) -> bool:
+    """Whether ``tensor`` is a foreign subclass's that wraps a tensor of level ``cls``
+    (its ops on that level's tensors ran inside it). A subclass that refuses ops it does
+    not know (``through`` among them) wraps none."""
+    if not is_foreign(tensor):
+        return False
     found = []
 
     def note(t: torch.Tensor) -> torch.Tensor:
-        found.append(type(t) is cls or (is_foreign(t) and wraps(t, cls)))
+        found.append(type(t) is cls or wraps(t, cls))
         return t
 
     try:

@@ -41,7 +41,6 @@ from torchlevels._level import (
     entered,
     follow_inner,
     innermost,
-    is_foreign,
     mark_level_graph,
     new_level_class,
     requires_grad_flag,
@@ -162,7 +161,7 @@ class GradLevel(Level):
         """The tensor one level out, still carrying this level's graph."""
         if type(tensor) is cls:
             return tensor._inner
-        if is_foreign(tensor) and wraps(tensor, cls):
+        if wraps(tensor, cls):
             # its ops on our tensors ran inside it: this level recorded them on the
             # tensors it wraps, so the wrapper itself has no history to differentiate
             raise NotImplementedError(
@@ -468,7 +467,7 @@ class JvpLevel(Level):
         if type(tensor) is cls:
             tangent = tensor._tangent
             return tensor._inner, torch.zeros_like(tensor._inner) if tangent is None else tangent
-        if is_foreign(tensor) and wraps(tensor, cls):  # its ops on ours ran inside it
+        if wraps(tensor, cls):  # its ops on ours ran inside it
             return (through(tensor, lambda t: self.unwrap(cls, t)[0]),
                     through(tensor, lambda t: self.unwrap(cls, t)[1]))
         return tensor, torch.zeros_like(tensor)

@@ -89,8 +89,8 @@ def _on_inner(cls, func, args, kwargs) -> Any:
                 return None  # autograd outside records on the wrapper itself
             a = a._inner
             t = type(a)
-            if t in _PLAIN or (issubclass(t, LevelTensor) and not t._has_torch_function):
-                found[1] = found[1] or requires_grad_flag(a)  # plain, or a tool's: _tool_level
+            if t in _PLAIN or _tool_level(t):  # plain, or a tool's
+                found[1] = found[1] or requires_grad_flag(a)
             else:
                 found[0] = True
         elif t in _NUMBERS:

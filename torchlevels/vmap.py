@@ -25,7 +25,6 @@ from torchlevels._level import (
     autograd_on,
     data_property,
     entered,
-    is_foreign,
     lazy_bits_on,
     new_level_class,
     preserved_dispatch_keys,
@@ -109,7 +108,7 @@ class BatchLevel(Level):
                     "(innermost first)")
             if out_dim is None or not isinstance(tensor, torch.Tensor):
                 return tensor
-            if is_foreign(tensor) and wraps(tensor, cls):  # its ops on ours ran inside it
+            if wraps(tensor, cls):  # its ops on ours ran inside it
                 return through(tensor, lambda t: self.unwrap(cls, t, out_dim))
             out_dim = _checked_out_dim(out_dim, tensor, cls)
             sizes = [-1] * (tensor.dim() + 1)

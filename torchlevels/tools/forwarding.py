@@ -22,7 +22,6 @@ from torchlevels._level import (
     LevelTensor,
     autograd_on,
     follow_inner,
-    is_foreign,
     through,
     unwrap_own,
     wrap_all,
@@ -68,7 +67,7 @@ class ForwardingLevel(Level):
         """The tensor one level out (anything else as is)."""
         if type(tensor) is cls:
             return tensor._inner
-        if is_foreign(tensor) and wraps(tensor, cls):  # its ops on ours ran inside it
+        if wraps(tensor, cls):  # its ops on ours ran inside it
             return through(tensor, lambda t: self.unwrap(cls, t))
         return tensor
 
