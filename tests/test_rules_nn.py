@@ -411,16 +411,21 @@ def test_batch_norm_backward(batched_args, train, backward):
 
 @pytest.mark.parametrize("activation", [
     F.elu, F.hardsigmoid, F.hardswish, F.hardtanh, F.leaky_relu, F.mish, F.softplus,
-    F.logsigmoid,
+    F.logsigmoid, F.hardshrink, F.softshrink,
 ])
 def test_activation_backward_batched_natively(activation):
-    """The backward op under vmap (a batched gradient, as jacrev makes), and a Hessian
-    through it: the native op's own double backward (the decompositions have none)."""
+    """The backward op under vmap (a batched gradient, as jacrev makes; per-example
+    gradients), and a Hessian through it: the native op's own double backward (the
+    decompositions have none). hardshrink's and softshrink's backwards are not tagged
+    pointwise and took the slow loop."""
     from torchlevels import hessian, jacrev
 
     x = torch.randn(5, dtype=torch.float64) * 3
     f = lambda x: activation(x).pow(2).sum()  # noqa: E731
     torch.testing.assert_close(jacrev(activation)(x), torch.func.jacrev(activation)(x))
+    xs = torch.randn(B, 5, dtype=torch.float64) * 3
+    torch.testing.assert_close(vmap_without_slow_loop(grad(f), xs),
+                               torch.func.vmap(torch.func.grad(f))(xs))
     if activation is not F.hardsigmoid:  # no forward-over-reverse formula in PyTorch
         torch.testing.assert_close(hessian(f)(x), torch.autograd.functional.hessian(f, x))
 
@@ -439,6 +444,58 @@ def test_per_example_gradients_through_batch_norm_of_one_channel(n):
     torch.testing.assert_close(vmap(grad(lambda y: f(y).sum()))(x), loop)
     torch.testing.assert_close(vmap(jacrev(f))(x), torch.func.vmap(torch.func.jacrev(f))(x))
 
+
+
+@pytest.mark.parametrize("make, shape", [
+    (lambda: torch.nn.Linear(5, 3), (5,)),
+    (lambda: torch.nn.Conv2d(2, 4, 3), (2, 6, 6)),
+])
+@pytest.mark.parametrize("dim", [0, -1])
+def test_per_example_gradients_through_weight_norm(make, shape, dim):
+    """Weight norm's fused backward (``_weight_norm_interface_backward``, which took the
+    slow loop) on per-example gradients of the norm's parameters and of the input, with
+    every example's rows folded into the kernel's: against torch.func, and second
+    derivatives through the native op's own double backward."""
+    from torch.nn.utils.parametrizations import weight_norm
+
+    from torchlevels import functional_call, jacrev
+
+    module = weight_norm(make(), dim=dim % len(make().weight.shape)).double()
+    params = {k: v.detach() for k, v in module.named_parameters()}
+    x = torch.randn(B, *shape, dtype=torch.float64)
+
+    def loss(call):
+        return lambda p, x: call(module, p, (x,)).sin().sum()
+
+    ours, theirs = loss(functional_call), loss(torch.func.functional_call)
+    got = vmap_without_slow_loop(grad(ours, argnums=(0, 1)), params, x, in_dims=(None, 0))
+    expected = torch.func.vmap(torch.func.grad(theirs, argnums=(0, 1)), in_dims=(None, 0))
+    torch.testing.assert_close(got, expected(params, x))
+    got = vmap_without_slow_loop(jacrev(jacrev(ours)), params, x, in_dims=(None, 0))
+    expected = torch.func.vmap(torch.func.jacrev(torch.func.jacrev(theirs)), in_dims=(None, 0))
+    torch.testing.assert_close(got, expected(params, x))
+
+
+@pytest.mark.parametrize("v_dim, g_dim", [(0, 0), (1, None), (2, 1), (None, 0)])
+@pytest.mark.parametrize("dim", [0, 2])
+def test_weight_norm_backward_rule(v_dim, g_dim, dim):
+    """The backward op on directions and norms batched anywhere or not, along the first
+    or the last dim of each example (the two the fused kernel takes)."""
+    v, g = torch.randn(4, 3, 5), torch.randn(4 if dim == 0 else 5)
+    g = g.view(-1, 1, 1) if dim == 0 else g.view(1, 1, -1)
+    args, dims = [v, g], [v_dim, g_dim]
+    for i, d in enumerate(dims):
+        if d is not None:
+            args[i] = batched(args[i], d)
+
+    def backward(v, g):
+        v, g = v.contiguous(), g.contiguous()  # as torch._weight_norm passes them
+        w, norms = aten._weight_norm_interface(v, g, dim)
+        return aten._weight_norm_interface_backward(w.cos(), v, g, norms, dim)
+
+    check(backward, *args, in_dims=tuple(dims))
+    with pytest.raises(RuntimeError, match="dim=-1, but the fused kernels take only"):
+        vmap(lambda v: aten._weight_norm_interface_backward(v, v, g, g, -1))(v[None])
 
 def test_hessian_through_batch_norm_in_training_mode():
     """The backward batched natively: an enclosing grad level gets its double backward."""

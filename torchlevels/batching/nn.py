@@ -492,6 +492,31 @@ def native_group_norm_backward(func, args, dims, kwargs):
     return (gi, gw, gb), tuple(None if g is None else 0 for g in (gi, gw, gb))
 
 
+@register(aten._weight_norm_interface_backward.default)
+def weight_norm_backward(func, args, dims, kwargs):
+    """Natively, the batch folded into the kernel's rows: the rows of each example (along
+    ``dim``, which is 0 or its last dim) are moved next to the batch and flattened with it,
+    so each row's norm still covers the rest of its own example. The native op brings its
+    own double-backward formula for an enclosing grad level."""
+    grad_w, v, g, norms, dim = args
+    if dim not in (0, logical_rank(v, dims[1]) - 1):
+        raise RuntimeError(f"{func}: dim={dim}, but the fused kernels take only the first or "
+                           "the last dim of saved_v (torch._weight_norm picks them)")
+    size = batch_size(args, dims)
+    g_shape = logical_shape(g, dims[2])
+
+    def rows_first(t, d):  # [B, *shape] with the rows along `dim` next to the batch
+        return materialize(t, d, size).movedim(dim + 1, 1)
+
+    grad_w, v = (rows_first(t, d) for t, d in zip((grad_w, v), dims[:2]))
+    rows = v.shape[1]
+    g, norms = (materialize(t, d, size).reshape(size * rows) for t, d in zip((g, norms), dims[2:4]))
+    grad_v, grad_g = func(*(t.contiguous() for t in (grad_w.flatten(0, 1), v.flatten(0, 1), g,
+                                                      norms)), 0)  # as the kernel wants them
+    return (grad_v.unflatten(0, (size, rows)).movedim(1, dim + 1),
+            grad_g.view(size, *g_shape)), (0, 0)
+
+
 # -- losses -------------------------------------------------------------------------------
 
 
@@ -647,10 +672,11 @@ def elementwise_loss(func, args, dims, kwargs):
 # -- elementwise backward ops ----------------------------------------------------------------
 
 
-@register(aten.elu_backward.default, aten.hardsigmoid_backward.default,
-          aten.hardswish_backward.default, aten.hardtanh_backward.default,
-          aten.leaky_relu_backward.default, aten.mish_backward.default,
-          aten.softplus_backward.default)
+@register(aten.elu_backward.default, aten.hardshrink_backward.default,
+          aten.hardsigmoid_backward.default, aten.hardswish_backward.default,
+          aten.hardtanh_backward.default, aten.leaky_relu_backward.default,
+          aten.mish_backward.default, aten.softplus_backward.default,
+          aten.softshrink_backward.default)
 def elementwise_backward(func, args, dims, kwargs):
     """An activation's backward, natively on the batch: its tensors all have one shape,
     and the native op brings its own double-backward formula for an enclosing grad level
