@@ -430,6 +430,23 @@ def test_activation_backward_batched_natively(activation):
         torch.testing.assert_close(hessian(f)(x), torch.autograd.functional.hessian(f, x))
 
 
+
+@pytest.mark.parametrize("dim", [0, -1])
+@pytest.mark.parametrize("in_dims", [(0, 0, 0), (None, 1, 0), (2, None, None)])
+def test_glu_jvp_rule(dim, in_dims):
+    """glu's forward formula's op (jacfwd of glu runs it under vmap; it took the slow
+    loop), its tensors batched anywhere or not."""
+    from torchlevels import jacfwd
+
+    x = torch.randn(4, 6, dtype=torch.float64)
+    args = [F.glu(x, dim), x, torch.randn_like(x)]
+    args = [batched(a, d) if d is not None else a for a, d in zip(args, in_dims)]
+    check(lambda *a: aten.glu_jvp(*a, dim), *args, in_dims=in_dims)
+    xs = torch.randn(B, 4, 6, dtype=torch.float64)
+    f = lambda x: F.glu(x, dim).sin()  # noqa: E731
+    expected = torch.stack([torch.autograd.functional.jacobian(f, x) for x in xs])
+    torch.testing.assert_close(vmap_without_slow_loop(jacfwd(f), xs), expected)
+
 @pytest.mark.parametrize("n", [1, 2])
 def test_per_example_gradients_through_batch_norm_of_one_channel(n):
     """Eval mode, one channel: the running stats of the examples are one expanded element,
