@@ -447,6 +447,19 @@ def test_glu_jvp_rule(dim, in_dims):
     expected = torch.stack([torch.autograd.functional.jacobian(f, x) for x in xs])
     torch.testing.assert_close(vmap_without_slow_loop(jacfwd(f), xs), expected)
 
+
+@pytest.mark.parametrize("dim", [0, -1])
+def test_per_example_hessian_vector_products_through_glu(dim):
+    """Forward over reverse through glu under vmap runs glu_backward_jvp (it took the slow
+    loop)."""
+    from torchlevels import jvp
+
+    xs = torch.randn(B, 4, 6, dtype=torch.float64)
+    f = lambda x: F.glu(x, dim).pow(3).sum()  # noqa: E731
+    got = vmap_without_slow_loop(lambda x: jvp(grad(f), (x,), (x.cos(),))[1], xs)
+    expected = torch.stack([torch.autograd.functional.hvp(f, x, x.cos())[1] for x in xs])
+    torch.testing.assert_close(got, expected)
+
 @pytest.mark.parametrize("n", [1, 2])
 def test_per_example_gradients_through_batch_norm_of_one_channel(n):
     """Eval mode, one channel: the running stats of the examples are one expanded element,

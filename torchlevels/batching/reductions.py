@@ -116,8 +116,8 @@ register(
     aten.cummax, aten.cummin, aten.sort, aten.argsort, aten.topk, aten.kthvalue, aten.flip,
     aten.median.dim, aten.nanmedian.dim, aten.mode, aten.glu, aten.linalg_cross,
     aten.cumsum_, aten.cumprod_, aten.squeeze.dim, aten.squeeze.dims,
-    aten.glu_backward, aten.glu_jvp, aten.logsumexp, aten.nansum, aten.count_nonzero,
-    aten._fft_c2c, aten._fft_r2c, aten._fft_c2r, aten.hash_tensor,
+    aten.glu_backward, aten.glu_jvp, aten.glu_backward_jvp, aten.logsumexp, aten.nansum,
+    aten.count_nonzero, aten._fft_c2c, aten._fft_r2c, aten._fft_c2r, aten.hash_tensor,
 )(dim_rule)
 _UNTAGGED_REDUCTIONS = {aten.hash_tensor.default}  # an empty dim list means every dim
 
