@@ -432,13 +432,11 @@ def _flat_inputs(func, in_dims, args) -> tuple[list, list, Any, int]:
         for a, d in zip(args, dims):
             if d is None:
                 continue  # passed as it is, a pytree or not
-            if type(d) is not int or type(a) is not torch.Tensor or not -a.dim() <= d < a.dim():
-                break  # the general path raises the error, or flattens
+            if (type(d) is not int or type(a) is not torch.Tensor or a.is_nested
+                    or not -a.dim() <= d < a.dim()):
+                break  # the general path raises the error (a nested tensor's too), or flattens
             refuse_functional("vmap", a)
-            try:
-                sizes.add(a.shape[d])
-            except RuntimeError:  # a nested tensor has no shape: the general path refuses it
-                break
+            sizes.add(a.shape[d])
         else:
             if len(sizes) == 1:
                 flat_dims = [None if d is None else d % a.dim() for a, d in zip(args, dims)]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
@@ -305,6 +305,15 @@ def out_of_range(x: _Tensor, what: str) -> str:
             "pass a first-class dim itself, or .order() it to make it positional")
 
 
+def _raise_explained(func, args: tuple, kwargs: dict, error: Exception) -> NoReturn:
+    """Raise ``error`` from ``func``, told in terms of what the user sees where it can be,
+    or as it is."""
+    explained = _explained(func, tree_flatten((args, kwargs))[0], error)
+    if explained is None:
+        raise error
+    raise explained from error
+
+
 def _explained(func, flat: list, error: Exception) -> Exception | None:
     """``error`` from ``func`` on the inputs ``flat``, told in terms of what the user sees:
     dim numbers count positional dims only, and the shapes the op ran on held the
@@ -411,10 +420,7 @@ def pointwise(func, args: tuple, kwargs: dict) -> Any:
     try:
         out = func(*a, **k)
     except (RuntimeError, IndexError) as e:
-        explained = _explained(func, tree_flatten((args, kwargs))[0], e)
-        if explained is None:
-            raise
-        raise explained from e
+        _raise_explained(func, args, kwargs, e)
     return tree_map(lambda o: wrap(o, dims) if isinstance(o, torch.Tensor) else o, out)
 
 
@@ -465,10 +471,7 @@ def batched(func, args: tuple, kwargs: dict) -> Any:
             out = func(*a, **kw)
         except (RuntimeError, IndexError) as e:
             _dim_where_int_expected(func, args, kwargs, e)
-            explained = _explained(func, tree_flatten((args, kwargs))[0], e)
-            if explained is None:
-                raise
-            raise explained from e
+            _raise_explained(func, args, kwargs, e)
         result = tree_map(lambda o: _leave(o, dims, levels), out)
     if isinstance(first, Tensor) and out is flat[0] and isinstance(result, Tensor):
         # an in-place op returns its input: the tensor itself changes (unsqueeze_ its shape)
