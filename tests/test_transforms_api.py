@@ -925,12 +925,65 @@ def test_a_vjp_made_inside_grad_is_not_taken_for_a_call_at_the_grad_level(inner)
     assert_tree_close(run(tl), run(tf))
 
 
-def test_torch_autograd_grad_inside_grad_on_a_tensor_of_no_level_raises_clearly():
+def test_torch_autograd_grad_inside_grad_on_an_unused_leaf_raises_pytorchs_error():
     def f(v):
         (g,) = torch.autograd.grad(v.sum(), torch.ones(3, requires_grad=True))
         return g.sum()
 
-    assert_same_error(lambda lib: lib.grad(f)(X), "must all be tensors of that level")
+    assert_same_error(lambda lib: lib.grad(f)(X), "not have been used in the graph")
+
+
+def _leaf_made_inside(v):
+    """A leaf made inside ``f`` and differentiated at the level, as torch.func allows."""
+    w = torch.linspace(-1, 1, 3, requires_grad=True)
+    (gw,) = torch.autograd.grad((w * v.sin()).sum() * (w * v).sum(), w, create_graph=True)
+    return (gw * v).sum()
+
+
+def test_torch_autograd_grad_inside_grad_of_a_leaf_made_inside_as_in_torch_func():
+    """Before, refused: the leaf is a plain tensor, not one of the level's."""
+    assert_tree_close(tl.grad(_leaf_made_inside)(X), tf.grad(_leaf_made_inside)(X))
+    assert_tree_close(tl.hessian(_leaf_made_inside)(X), tf.hessian(_leaf_made_inside)(X))
+
+
+_CRITIC = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+
+
+def _gradient_penalty_loss(params, x):
+    """A critic's loss with a gradient penalty, as WGAN-GP trains it: the input gradient
+    is taken at ``x.detach().requires_grad_()`` inside the function grad differentiates
+    (torch.func refuses ``requires_grad_`` there)."""
+    xi = x.detach().requires_grad_()
+    out = torch.func.functional_call(_CRITIC, params, (xi,))
+    (slope,) = torch.autograd.grad(out.sum(), xi, create_graph=True)
+    return ((slope.norm(dim=-1) - 1) ** 2).mean() + out.mean()
+
+
+def _penalty_grads_by_autograd(params, x):
+    leaves = {k: v.clone().requires_grad_() for k, v in params.items()}
+    grads = torch.autograd.grad(_gradient_penalty_loss(leaves, x), list(leaves.values()))
+    return dict(zip(leaves, grads))
+
+
+def test_gradient_penalty_inside_grad_and_per_sample_against_torch_autograd():
+    """Before, refused: ``xi`` is a plain tensor (a BatchedTensor under vmap)."""
+    params = {k: v.detach() for k, v in _CRITIC.named_parameters()}
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(6))
+    assert_tree_close(tl.grad(_gradient_penalty_loss)(params, x),
+                      _penalty_grads_by_autograd(params, x))
+    per_sample = tl.vmap(tl.grad(_gradient_penalty_loss), in_dims=(None, 0))(params, x[:, None])
+    rows = [_penalty_grads_by_autograd(params, x[i:i + 1]) for i in range(len(x))]
+    assert_tree_close(per_sample, {k: torch.stack([r[k] for r in rows]) for k in params})
+
+
+def test_torch_autograd_grad_inside_grad_on_an_escaped_tensor_raises_clearly():
+    def f(v):
+        with tl.vmap() as B:
+            kept = B(torch.ones(2, 3, requires_grad=True))
+        return torch.autograd.grad(v.sin().sum(), (v, kept))[0].sum()
+
+    with pytest.raises(tl.EscapedTensorError, match="used after that level exited"):
+        tl.grad(f)(X)
 
 
 def test_torch_autograd_grad_outside_transforms_is_pytorchs():

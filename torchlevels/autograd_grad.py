@@ -9,6 +9,9 @@ once: a call on tensors of the innermost live level, a grad level, runs on the t
 they wrap and returns tensors of that level (tracked by it when ``create_graph=True``,
 so the level differentiates through them); every other call is PyTorch's own. Among
 those are a level's own calls, on tensors of the levels around it that carry its graph.
+Such a call may also name plain tensors, or tensors of the levels around it, that the
+level's graph holds: a leaf made inside ``f`` for a gradient penalty, ``du/dx`` at a
+``x.detach().requires_grad_()``, differentiates as it would without the transform.
 
 Example::
 
@@ -29,7 +32,13 @@ from typing import Any
 
 import torch
 
-from torchlevels._level import LevelTensor, innermost, wrap_inner
+from torchlevels._level import (
+    EscapedTensorError,
+    LevelTensor,
+    escape_message,
+    innermost,
+    wrap_inner,
+)
 from torchlevels.autodiff import GradLevel, backward_pass
 
 pytorch_grad = torch.autograd.grad  # PyTorch's own
@@ -64,24 +73,32 @@ def _tensors(arg: Any) -> list | None:
 
 def _at_grad_level(outputs: Any, inputs: Any) -> tuple[type[LevelTensor], list, list] | None:
     """The class of the innermost live level and the call's outputs and inputs as lists,
-    if that level is a grad level and the call is on its tensors (which must then all be
-    its own), else None: PyTorch's own call."""
+    if that level is a grad level and the call is on its tensors, else None: PyTorch's own
+    call. The others must be tensors the level's graph can hold: plain tensors, or those
+    of the levels around it (a leaf made inside ``f``, as for a gradient penalty)."""
     cls = innermost()
     if cls is None or not isinstance(cls._level, GradLevel):
         return None
     outs, ins = _tensors(outputs), _tensors(inputs)
     if outs is None or ins is None or not any(type(t) is cls for t in (*outs, *ins)):
         return None  # plain tensors, or (a level's own code) tensors of a level around it
-    stray = [t for t in (*outs, *ins) if type(t) is not cls]
+    stray = [t for t in (*outs, *ins)
+             if isinstance(t, LevelTensor) and not issubclass(cls, type(t))]
+    if stray and not stray[0]._level.alive:
+        raise EscapedTensorError(escape_message(stray[0]._level, "torch.autograd.grad"))
     if stray:
         raise RuntimeError(
-            f"torch.autograd.grad inside {cls._level.describe()}: its outputs and inputs "
-            f"must all be tensors of that level, but one is a {type(stray[0]).__name__}. "
-            "It differentiates the level's own graph, which holds only the level's "
-            "tensors: make the others inputs of the function the level differentiates, "
-            "or call torch.autograd.grad outside the transform."
+            f"torch.autograd.grad inside {cls._level.describe()}: one of its outputs or "
+            f"inputs is a tensor of {stray[0]._level.describe()}, a transform inside it "
+            "(or unrelated to it), whose graph that level cannot see. Call "
+            "torch.autograd.grad inside that transform, or return the tensor from it first."
         )
     return cls, outs, ins
+
+
+def _inner(cls: type[LevelTensor], t: Any) -> Any:
+    """What the level's graph holds for ``t``: the tensor a tensor of the level wraps."""
+    return t._inner if type(t) is cls else t
 
 
 @functools.wraps(pytorch_grad)
@@ -96,10 +113,9 @@ def grad(outputs: Any, inputs: Any, grad_outputs: Any = None, *args: Any, **kwar
         return pytorch_grad(outputs, inputs, grad_outputs, *args, **kwargs)
     cls, outs, ins = found
     if grad_outputs is not None:
-        grad_outputs = [g._inner if type(g) is cls else g
-                        for g in (_tensors(grad_outputs) or grad_outputs)]
+        grad_outputs = [_inner(cls, g) for g in (_tensors(grad_outputs) or grad_outputs)]
     with backward_pass(cls):
-        results = pytorch_grad([t._inner for t in outs], [t._inner for t in ins],
+        results = pytorch_grad([_inner(cls, t) for t in outs], [_inner(cls, t) for t in ins],
                                grad_outputs, *args, **kwargs)
     return tuple(None if r is None else wrap_inner(cls, r) for r in results)
 
