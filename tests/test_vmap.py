@@ -664,6 +664,8 @@ def test_an_empty_batch_through_the_slow_loop():
 
 AUTOCAST = {  # autocast casts the batched tensors, above the level; the rules see bf16
     "linear": lambda a, w, k: F.linear(a, w),
+    "linear with a bias": lambda a, w, k: F.linear(a, w, w[0, :5]),
+    "addmm": lambda a, w, k: torch.addmm(w[0, :5], a, w.T),
     "matmul": lambda a, w, k: a @ w.T,
     "conv1d": lambda a, w, k: F.conv1d(a, k),
     "conv2d of one image": lambda a, w, k: F.conv2d(a[None, None], k[:, :1, None]),
@@ -674,8 +676,8 @@ AUTOCAST = {  # autocast casts the batched tensors, above the level; the rules s
 
 @pytest.mark.parametrize("name", list(AUTOCAST))
 def test_under_autocast_as_a_loop(name):
-    """Dtypes and values as a loop under ``torch.autocast`` (torch.func's convolutions
-    return float32 there), and per-example gradients as torch.func's."""
+    """Dtypes and values as a loop under ``torch.autocast`` (torch.func's convolutions,
+    addmm and linear with a bias return float32 there), and per-example gradients as torch.func's."""
     f = functools.partial(AUTOCAST[name], w=torch.randn(5, 8), k=torch.randn(2, 3, 3))
     x = torch.randn(4, 3, 8)
     with torch.autocast("cpu", dtype=torch.bfloat16):
