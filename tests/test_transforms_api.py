@@ -976,6 +976,23 @@ def test_gradient_penalty_inside_grad_and_per_sample_against_torch_autograd():
     assert_tree_close(per_sample, {k: torch.stack([r[k] for r in rows]) for k in params})
 
 
+def _input_slope_loss(w, x):
+    xi = x.detach().requires_grad_()
+    out = (xi @ w.T).tanh().sum()
+    (slope,) = torch.autograd.grad(out, xi, create_graph=True)
+    return (slope ** 2).sum() + out
+
+
+@pytest.mark.parametrize("second", ["jacrev", "jacfwd"])
+def test_second_derivatives_through_an_input_slope_against_torch_autograd(second):
+    w = torch.randn(3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
+    x = torch.randn(4, dtype=torch.float64, generator=torch.Generator().manual_seed(8))
+    expected = torch.autograd.functional.jacobian(
+        lambda w: torch.autograd.grad(_input_slope_loss(w, x), w, create_graph=True)[0], w)
+    got = getattr(tl, second)(tl.grad(_input_slope_loss))(w, x)
+    assert_tree_close(got, expected)
+
+
 def test_torch_autograd_grad_inside_grad_on_an_escaped_tensor_raises_clearly():
     def f(v):
         with tl.vmap() as B:
