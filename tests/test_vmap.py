@@ -677,7 +677,8 @@ AUTOCAST = {  # autocast casts the batched tensors, above the level; the rules s
 @pytest.mark.parametrize("name", list(AUTOCAST))
 def test_under_autocast_as_a_loop(name):
     """Dtypes and values as a loop under ``torch.autocast`` (torch.func's convolutions,
-    addmm and linear with a bias return float32 there), and per-example gradients as torch.func's."""
+    addmm and linear with a bias return float32 there), and per-example gradients as
+    torch.func's."""
     f = functools.partial(AUTOCAST[name], w=torch.randn(5, 8), k=torch.randn(2, 3, 3))
     x = torch.randn(4, 3, 8)
     with torch.autocast("cpu", dtype=torch.bfloat16):
