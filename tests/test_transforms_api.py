@@ -4,6 +4,7 @@ Every value is compared with torch.func (or torch.autograd) on the same inputs; 
 error with the type torch.func raises for the same call.
 """
 
+import contextvars
 import doctest
 import gc
 import sys
@@ -991,6 +992,17 @@ def test_second_derivatives_through_an_input_slope_against_torch_autograd(second
         lambda w: torch.autograd.grad(_input_slope_loss(w, x), w, create_graph=True)[0], w)
     got = getattr(tl, second)(tl.grad(_input_slope_loss))(w, x)
     assert_tree_close(got, expected)
+
+
+def test_torch_autograd_grad_inside_grad_on_a_tensor_of_an_unrelated_level_raises_clearly():
+    with tl.vmap() as B:  # live, but in another context than the grad level
+        kept = B(torch.ones(2, 3, requires_grad=True))
+
+        def f(v):
+            return torch.autograd.grad(v.sin().sum(), (v, kept))[0].sum()
+
+        with pytest.raises(tl.UnrelatedLevelsError, match="not nested around it"):
+            contextvars.Context().run(tl.grad(f), X)
 
 
 def test_torch_autograd_grad_inside_grad_on_an_escaped_tensor_raises_clearly():

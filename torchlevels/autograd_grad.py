@@ -35,6 +35,7 @@ import torch
 from torchlevels._level import (
     EscapedTensorError,
     LevelTensor,
+    UnrelatedLevelsError,
     escape_message,
     innermost,
     wrap_inner,
@@ -86,12 +87,12 @@ def _at_grad_level(outputs: Any, inputs: Any) -> tuple[type[LevelTensor], list, 
              if isinstance(t, LevelTensor) and not issubclass(cls, type(t))]
     if stray and not stray[0]._level.alive:
         raise EscapedTensorError(escape_message(stray[0]._level, "torch.autograd.grad"))
-    if stray:
-        raise RuntimeError(
+    if stray:  # the levels inside cls have exited: a live one is unrelated to it
+        raise UnrelatedLevelsError(
             f"torch.autograd.grad inside {cls._level.describe()}: one of its outputs or "
-            f"inputs is a tensor of {stray[0]._level.describe()}, a transform inside it "
-            "(or unrelated to it), whose graph that level cannot see. Call "
-            "torch.autograd.grad inside that transform, or return the tensor from it first."
+            f"inputs is a tensor of {stray[0]._level.describe()}, a transform not nested "
+            "around it, whose tensors its graph cannot hold. Unwrap that tensor before "
+            "using it here."
         )
     return cls, outs, ins
 
