@@ -38,6 +38,7 @@ from torchlevels._level import (
     UnrelatedLevelsError,
     escape_message,
     innermost,
+    unwrap_own,
     wrap_inner,
 )
 from torchlevels.autodiff import GradLevel, backward_pass
@@ -97,11 +98,6 @@ def _at_grad_level(outputs: Any, inputs: Any) -> tuple[type[LevelTensor], list, 
     return cls, outs, ins
 
 
-def _inner(cls: type[LevelTensor], t: Any) -> Any:
-    """What the level's graph holds for ``t``: the tensor a tensor of the level wraps."""
-    return t._inner if type(t) is cls else t
-
-
 @functools.wraps(pytorch_grad)
 def grad(outputs: Any, inputs: Any, grad_outputs: Any = None, *args: Any, **kwargs: Any
          ) -> Any:
@@ -114,10 +110,10 @@ def grad(outputs: Any, inputs: Any, grad_outputs: Any = None, *args: Any, **kwar
         return pytorch_grad(outputs, inputs, grad_outputs, *args, **kwargs)
     cls, outs, ins = found
     if grad_outputs is not None:
-        grad_outputs = [_inner(cls, g) for g in (_tensors(grad_outputs) or grad_outputs)]
+        grad_outputs = [unwrap_own(g, cls) for g in (_tensors(grad_outputs) or grad_outputs)]
     with backward_pass(cls):
-        results = pytorch_grad([_inner(cls, t) for t in outs], [_inner(cls, t) for t in ins],
-                               grad_outputs, *args, **kwargs)
+        results = pytorch_grad([unwrap_own(t, cls) for t in outs],
+                               [unwrap_own(t, cls) for t in ins], grad_outputs, *args, **kwargs)
     return tuple(None if r is None else wrap_inner(cls, r) for r in results)
 
 
