@@ -546,3 +546,24 @@ def test_vmap_and_grad_levels_have_shortcuts_of_their_own():
             assert J.__torch_function__.__func__ is shortcuts.no_shortcuts
             assert G.__torch_function__.__func__ is shortcuts.no_shortcuts
     assert len(SHORTCUTS) > 100
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_strides_of_size_one_dims_as_torch_func_shows_them(dtype):
+    """A contiguous tensor may have any stride at a dim of size 1: a shortcut's result
+    (and a grad level's tensor) shows the strides PyTorch gave it, as torch.func does,
+    not those a new tensor of its shape would have."""
+    def strides(f, x):
+        seen = []
+        f(lambda a: seen.append(a.stride()) or a)(x)
+        return seen
+
+    def transposed_product(record):
+        return lambda a: record(a.transpose(0, 1) * 2).sum()
+
+    x = torch.randn(3, 1, 4, dtype=dtype)
+    assert strides(lambda g: vmap(transposed_product(g)), x) == strides(
+        lambda g: func_vmap(transposed_product(g)), x)
+    row = torch.randn(4, 1, dtype=dtype).t()  # (1, 4), strides (1, 1)
+    assert strides(lambda g: torchlevels.grad(lambda a: g(a * 1).sum()), row) == strides(
+        lambda g: torch.func.grad(lambda a: g(a * 1).sum()), row)

@@ -45,6 +45,8 @@ _set_included = torch._C._dispatch_tls_set_dispatch_key_included
 _dispatch_modes = torch._C._len_torch_dispatch_stack
 _no_subclass_torch_function = torch._C.DisableTorchFunctionSubclass
 _disabled_torch_function = torch._C._disabled_torch_function_impl
+_make_wrapper_subclass = torch.Tensor._make_wrapper_subclass
+_default_dtype = torch.get_default_dtype
 # PyTorch's own requires_grad flag, which autograd reads: on a level's tensor it says
 # whether autograd of a level inside records ops on it. (A grad level's tensors answer
 # ``t.requires_grad`` to users as torch.func's do: see autodiff.py.)
@@ -185,8 +187,8 @@ class LevelTensor(torch.Tensor):
     enclosing level. Subclasses are made only by :func:`new_level_class`.
     """
 
+    __slots__ = ("_inner", "_bdim")  # read and written on every op: slots are quicker
     _level: Level
-    _inner: torch.Tensor
     __torch_function__ = _disabled_torch_function
     _has_torch_function = False  # whether it answers calls in __torch_function__ (no tool does)
 
@@ -318,13 +320,27 @@ def wrap_inner(cls: type[LevelTensor], inner: torch.Tensor) -> LevelTensor:
 
 
 def _wrap_inner(cls: type[LevelTensor], inner: torch.Tensor) -> LevelTensor:
-    out = torch.Tensor._make_wrapper_subclass(
-        cls, inner.shape, strides=inner.stride(), storage_offset=inner.storage_offset(),
-        dtype=inner.dtype, device=inner.device,
-    )
+    if default_layout(inner):
+        if inner.is_cpu and inner.dtype is _default_dtype():  # no keywords to parse
+            out = _make_wrapper_subclass(cls, inner.shape)
+        else:
+            out = _make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype,
+                                         device=inner.device)
+    else:
+        out = _make_wrapper_subclass(
+            cls, inner.shape, strides=inner.stride(), storage_offset=inner.storage_offset(),
+            dtype=inner.dtype, device=inner.device,
+        )
     out._inner = inner
     show_lazy_bits(out, inner)
     return out
+
+
+def default_layout(t: torch.Tensor) -> bool:
+    """Whether ``t`` has the strides and offset that a wrapper of its shape gets by default
+    (a contiguous tensor's strides are those only if no dim has size 0 or 1)."""
+    shape = t.shape
+    return t.is_contiguous() and not t.storage_offset() and 1 not in shape and 0 not in shape
 
 
 def show_lazy_bits(wrapper: LevelTensor, inner: torch.Tensor) -> None:

@@ -31,13 +31,14 @@ import torch
 import torch.autograd.forward_ad as forward_ad
 import torch.nn.functional as F
 
-from torchlevels._level import LevelTensor
+from torchlevels._level import LevelTensor, default_layout
 from torchlevels.batching.dims import pad_to_rank, per_example
 from torchlevels.batching.max_pool import max_pool
 from torchlevels.batching.predispatch import unintercepted
 from torchlevels.l1_loss_weight import l1_loss
 
 _make_wrapper_subclass = torch.Tensor._make_wrapper_subclass
+_default_dtype = torch.get_default_dtype
 _disabled = torch._C._disabled_torch_function_impl
 _no_subclass_torch_function = torch._C.DisableTorchFunctionSubclass
 _enable_torch_function = torch._C._EnableTorchFunction
@@ -180,8 +181,12 @@ _EMPTY: dict = {}
 
 def wrap_front(cls, out: torch.Tensor) -> torch.Tensor:
     """``out``, whose dim 0 is the batch, as a tensor of level ``cls``."""
-    if out.is_contiguous() and not out.storage_offset():  # the wrapper's default layout
-        wrapped = _make_wrapper_subclass(cls, out.shape[1:], dtype=out.dtype, device=out.device)
+    if default_layout(out):
+        if out.is_cpu and out.dtype is _default_dtype():  # no keywords to parse
+            wrapped = _make_wrapper_subclass(cls, out.shape[1:])
+        else:
+            wrapped = _make_wrapper_subclass(cls, out.shape[1:], dtype=out.dtype,
+                                             device=out.device)
     else:
         shape, strides = out.shape, out.stride()
         wrapped = _make_wrapper_subclass(
