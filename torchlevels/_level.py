@@ -320,12 +320,12 @@ def wrap_inner(cls: type[LevelTensor], inner: torch.Tensor) -> LevelTensor:
 
 
 def _wrap_inner(cls: type[LevelTensor], inner: torch.Tensor) -> LevelTensor:
-    if default_layout(inner):
+    shape = inner.shape
+    if default_layout(inner, shape):
         if inner.is_cpu and inner.dtype is _default_dtype():  # no keywords to parse
-            out = _make_wrapper_subclass(cls, inner.shape)
+            out = _make_wrapper_subclass(cls, shape)
         else:
-            out = _make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype,
-                                         device=inner.device)
+            out = _make_wrapper_subclass(cls, shape, dtype=inner.dtype, device=inner.device)
     else:
         out = _make_wrapper_subclass(
             cls, inner.shape, strides=inner.stride(), storage_offset=inner.storage_offset(),
@@ -336,10 +336,10 @@ def _wrap_inner(cls: type[LevelTensor], inner: torch.Tensor) -> LevelTensor:
     return out
 
 
-def default_layout(t: torch.Tensor) -> bool:
-    """Whether ``t`` has the strides and offset that a wrapper of its shape gets by default
-    (a contiguous tensor's strides are those only if no dim has size 0 or 1)."""
-    shape = t.shape
+def default_layout(t: torch.Tensor, shape: torch.Size) -> bool:
+    """Whether ``t``, of shape ``shape``, has the strides and offset that a wrapper of its
+    shape gets by default (a contiguous tensor's strides are those only if no dim has size
+    0 or 1)."""
     return t.is_contiguous() and not t.storage_offset() and 1 not in shape and 0 not in shape
 
 

@@ -65,7 +65,10 @@ def torch_function(cls, func, types, args=(), kwargs=None):
     tensors, with autograd recording it there, if nothing about it is unusual."""
     kwargs = kwargs or _EMPTY
     if func in CALLS and cls._level.alive and forward_ad._current_level < 0:
-        out = _on_inner(cls, func, args, kwargs)
+        # reading our tensors' flags here skips a trip through this hook; the levels inside
+        # see the call's ops at their dispatch
+        with _no_subclass_torch_function():
+            out = _on_inner(cls, func, args, kwargs)
         if out is not None:
             return out
     return no_shortcuts(cls, func, types, args, kwargs)
@@ -108,14 +111,13 @@ def _on_inner(cls, func, args, kwargs) -> Any:
         # (W.t() in F.linear) to a vmap level's op unmarked (see mark_level_graph), and
         # that level would record autograd on its physical tensors as well
         return None
-    with _no_subclass_torch_function():  # the levels inside see the ops at their dispatch
-        try:
-            out = func(*inner, **inner_kwargs)
-        except RuntimeError:
-            return None  # the usual path raises the error, or handles the case
-        if kwargs:  # what the call read, for wrap_result
-            args, inner = (*args, *kwargs.values()), [*inner, *inner_kwargs.values()]
-        return cls._level.wrap_result(cls, args, inner, out)
+    try:
+        out = func(*inner, **inner_kwargs)
+    except RuntimeError:
+        return None  # the usual path raises the error, or handles the case
+    if kwargs:  # what the call read, for wrap_result
+        args, inner = (*args, *kwargs.values()), [*inner, *inner_kwargs.values()]
+    return cls._level.wrap_result(cls, args, inner, out)
 
 
 _DECLINE = object()  # what _inner_of gives for an argument the shortcut cannot take

@@ -181,14 +181,14 @@ _EMPTY: dict = {}
 
 def wrap_front(cls, out: torch.Tensor) -> torch.Tensor:
     """``out``, whose dim 0 is the batch, as a tensor of level ``cls``."""
-    if default_layout(out):
+    shape = out.shape
+    if default_layout(out, shape):
         if out.is_cpu and out.dtype is _default_dtype():  # no keywords to parse
-            wrapped = _make_wrapper_subclass(cls, out.shape[1:])
+            wrapped = _make_wrapper_subclass(cls, shape[1:])
         else:
-            wrapped = _make_wrapper_subclass(cls, out.shape[1:], dtype=out.dtype,
-                                             device=out.device)
+            wrapped = _make_wrapper_subclass(cls, shape[1:], dtype=out.dtype, device=out.device)
     else:
-        shape, strides = out.shape, out.stride()
+        strides = out.stride()
         wrapped = _make_wrapper_subclass(
             cls, shape[1:], strides=strides[1:], storage_offset=out.storage_offset(),
             dtype=out.dtype, device=out.device,
