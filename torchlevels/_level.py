@@ -189,6 +189,8 @@ class LevelTensor(torch.Tensor):
 
     __slots__ = ("_inner", "_bdim")  # read and written on every op: slots are quicker
     _level: Level
+    _inner: torch.Tensor
+    _bdim: int  # a vmap level's: the batch dim of ``_inner``
     __torch_function__ = _disabled_torch_function
     _has_torch_function = False  # whether it answers calls in __torch_function__ (no tool does)
 
@@ -328,7 +330,7 @@ def _wrap_inner(cls: type[LevelTensor], inner: torch.Tensor) -> LevelTensor:
             out = _make_wrapper_subclass(cls, shape, dtype=inner.dtype, device=inner.device)
     else:
         out = _make_wrapper_subclass(
-            cls, inner.shape, strides=inner.stride(), storage_offset=inner.storage_offset(),
+            cls, shape, strides=inner.stride(), storage_offset=inner.storage_offset(),
             dtype=inner.dtype, device=inner.device,
         )
     out._inner = inner
