@@ -322,27 +322,31 @@ def wrap_inner(cls: type[LevelTensor], inner: torch.Tensor) -> LevelTensor:
 
 
 def _wrap_inner(cls: type[LevelTensor], inner: torch.Tensor) -> LevelTensor:
-    shape = inner.shape
-    if default_layout(inner, shape):
-        if inner.is_cpu and inner.dtype is _default_dtype():  # no keywords to parse
-            out = _make_wrapper_subclass(cls, shape)
-        else:
-            out = _make_wrapper_subclass(cls, shape, dtype=inner.dtype, device=inner.device)
-    else:
-        out = _make_wrapper_subclass(
-            cls, shape, strides=inner.stride(), storage_offset=inner.storage_offset(),
-            dtype=inner.dtype, device=inner.device,
-        )
+    out = new_wrapper(cls, inner)
     out._inner = inner
     show_lazy_bits(out, inner)
     return out
 
 
-def default_layout(t: torch.Tensor, shape: torch.Size) -> bool:
-    """Whether ``t``, of shape ``shape``, has the strides and offset that a wrapper of its
-    shape gets by default (a contiguous tensor's strides are those only if no dim has size
-    0 or 1)."""
-    return t.is_contiguous() and not t.storage_offset() and 1 not in shape and 0 not in shape
+def new_wrapper(cls: type[LevelTensor], t: torch.Tensor, bdim: int | None = None
+                ) -> LevelTensor:
+    """A new tensor of class ``cls`` with the shape, strides, offset, dtype and device of
+    ``t``, less dim ``bdim`` of ``t`` if given (a vmap level's batch dim: the strides and
+    offset are then example 0's, as forward AD compares views' layouts)."""
+    shape = t.shape
+    # the strides a new tensor of its shape gets (a contiguous tensor's are those only if
+    # no dim has size 0 or 1), and the default dtype and device: no keywords to parse
+    if not bdim and t.is_contiguous() and not t.storage_offset() and (
+            1 not in shape and 0 not in shape):
+        size = shape if bdim is None else shape[1:]
+        if t.is_cpu and t.dtype is _default_dtype():
+            return _make_wrapper_subclass(cls, size)
+        return _make_wrapper_subclass(cls, size, dtype=t.dtype, device=t.device)
+    strides = t.stride()
+    if bdim is not None:
+        shape, strides = shape[:bdim] + shape[bdim + 1:], strides[:bdim] + strides[bdim + 1:]
+    return _make_wrapper_subclass(cls, shape, strides=strides, storage_offset=t.storage_offset(),
+                                  dtype=t.dtype, device=t.device)
 
 
 def show_lazy_bits(wrapper: LevelTensor, inner: torch.Tensor) -> None:

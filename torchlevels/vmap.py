@@ -27,6 +27,7 @@ from torchlevels._level import (
     entered,
     lazy_bits_on,
     new_level_class,
+    new_wrapper,
     preserved_dispatch_keys,
     refuse_functional,
     requires_grad_flag,
@@ -47,9 +48,8 @@ from torchlevels.batching.registry import (
     resolved_by_id,
     written_arguments,
 )
-from torchlevels.batching.shortcuts import wrap_all_front, wrap_front
+from torchlevels.batching.shortcuts import wrap_all_front
 
-_make_wrapper_subclass = torch.Tensor._make_wrapper_subclass
 RANDOMNESS = ("error", "different", "same")
 
 
@@ -253,18 +253,9 @@ def _pointwise_fast_path(cls, func, args, kwargs):
 
 def wrap_batched(cls, inner: torch.Tensor, bdim: int) -> torch.Tensor:
     """A tensor of vmap level ``cls`` whose batch dim is ``bdim`` of ``inner``."""
-    if bdim == 0:
-        out = wrap_front(cls, inner)
-    else:
-        shape = inner.shape
-        strides = inner.stride()
-        # strides and offset are those of example 0 (forward AD compares views' layouts)
-        out = _make_wrapper_subclass(
-            cls, shape[:bdim] + shape[bdim + 1 :], strides=strides[:bdim] + strides[bdim + 1 :],
-            storage_offset=inner.storage_offset(), dtype=inner.dtype, device=inner.device,
-        )
-        out._inner = inner
-        out._bdim = bdim
+    out = new_wrapper(cls, inner, bdim)
+    out._inner = inner
+    out._bdim = bdim
     show_lazy_bits(out, inner)
     return out
 

@@ -31,14 +31,12 @@ import torch
 import torch.autograd.forward_ad as forward_ad
 import torch.nn.functional as F
 
-from torchlevels._level import LevelTensor, default_layout
+from torchlevels._level import LevelTensor, new_wrapper
 from torchlevels.batching.dims import pad_to_rank, per_example
 from torchlevels.batching.max_pool import max_pool
 from torchlevels.batching.predispatch import unintercepted
 from torchlevels.l1_loss_weight import l1_loss
 
-_make_wrapper_subclass = torch.Tensor._make_wrapper_subclass
-_default_dtype = torch.get_default_dtype
 _disabled = torch._C._disabled_torch_function_impl
 _no_subclass_torch_function = torch._C.DisableTorchFunctionSubclass
 _enable_torch_function = torch._C._EnableTorchFunction
@@ -181,18 +179,7 @@ _EMPTY: dict = {}
 
 def wrap_front(cls, out: torch.Tensor) -> torch.Tensor:
     """``out``, whose dim 0 is the batch, as a tensor of level ``cls``."""
-    shape = out.shape
-    if default_layout(out, shape):
-        if out.is_cpu and out.dtype is _default_dtype():  # no keywords to parse
-            wrapped = _make_wrapper_subclass(cls, shape[1:])
-        else:
-            wrapped = _make_wrapper_subclass(cls, shape[1:], dtype=out.dtype, device=out.device)
-    else:
-        strides = out.stride()
-        wrapped = _make_wrapper_subclass(
-            cls, shape[1:], strides=strides[1:], storage_offset=out.storage_offset(),
-            dtype=out.dtype, device=out.device,
-        )
+    wrapped = new_wrapper(cls, out, 0)
     wrapped._inner = out
     wrapped._bdim = 0
     return wrapped
