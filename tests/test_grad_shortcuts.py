@@ -85,6 +85,42 @@ def test_calls_of_a_loss_reach_no_grad_dispatch(name):
     assert not calls, calls
 
 
+def _double(*shape):
+    return torch.randn(*shape, dtype=torch.float64)
+
+
+# calls of an example (first argument) and weights, with the shapes of both
+MIXED_CALLS = {
+    "linear": (lambda x, w, b: F.linear(x, w, b), (3, 5), ((6, 5), (6,))),
+    "layer norm": (lambda x, w, b: F.layer_norm(x, (5,), w, b), (3, 5), ((5,), (5,))),
+    "rms norm": (lambda x, w: F.rms_norm(x, (5,), w), (3, 5), ((5,),)),
+    "group norm": (lambda x, w, b: F.group_norm(x, 3, w, b), (2, 6, 5), ((6,), (6,))),
+    "conv1d": (lambda x, w, b: F.conv1d(x, w, b, padding=1), (2, 7), ((3, 2, 3), (3,))),
+    "conv2d": (lambda x, w: F.conv2d(x, w, stride=2), (1, 2, 5, 5), ((3, 2, 3, 3),)),
+}
+
+
+@pytest.mark.parametrize("name", MIXED_CALLS)
+def test_calls_of_a_batch_and_tracked_weights_run_whole(name):
+    """Per-example gradients in the weights of F.linear, norms and convolutions: each call
+    runs whole on the inner tensors, and the vmap level records no graph of its own on
+    its physical tensors (the view ``w.t()`` that F.linear makes of a weight the grad level
+    tracks counts as tracked by that level alone)."""
+    call, example, weights = MIXED_CALLS[name]
+    xs, ws = _double(4, *example), [_double(*s) for s in weights]
+    loss = lambda x, *w: call(x, *w).sin().sum()  # noqa: E731
+    argnums = tuple(range(1, len(ws) + 1))
+    in_dims = (0, *(None for _ in ws))
+    with counting_dispatches(GradLevel) as calls:
+        ours = tl.vmap(tl.grad(loss, argnums), in_dims)(xs, *ws)
+    assert_close(ours, ft.vmap(ft.grad(loss, argnums), in_dims)(xs, *ws))
+    assert not calls, calls
+    assert not any(g.requires_grad for g in ours)
+    with tl.vmap() as V, grad_level() as G:
+        out = G.unwrap(call(V(xs), *map(G, ws)))
+        assert out.requires_grad and not V.unwrap(out).requires_grad
+
+
 def test_a_named_tuple_of_tensors_is_unwrapped():
     """torch.stack of aminmax's named tuple: its tensors are unwrapped like a tuple's (a
     grad level's tensor handed on as it is would be wrapped twice)."""

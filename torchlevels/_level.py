@@ -403,8 +403,14 @@ def tracked_outside(t: Any) -> bool:
     """Whether plain tensor ``t`` requires grad for autograd outside the transforms: it
     requires grad, and not only for a grad level's graph (see :func:`mark_level_graph`).
     A meta tensor never is: PyTorch makes meta copies only to learn an output's shape
-    (adding a ZeroTensor tangent under forward AD)."""
-    return requires_grad_flag(t) and not t.is_meta and not getattr(t, _LEVEL_GRAPH, False)
+    (adding a ZeroTensor tangent under forward AD). A view no level marked (``w.t()``
+    made inside ``F.linear``) is tracked as its base is."""
+    if not requires_grad_flag(t) or t.is_meta:
+        return False
+    only = getattr(t, _LEVEL_GRAPH, None)
+    if only is None and t._is_view():
+        only = getattr(t._base, _LEVEL_GRAPH, None)
+    return not only
 
 
 def differentiated(*tensors: Any) -> bool:

@@ -11,9 +11,12 @@ over a vmap level costs about 11 µs instead of 15.
 A shortcut declines (the call takes the usual way) whenever anything is unusual: a
 tensor of a deeper or an unrelated level or a foreign subclass, an in-place call or an
 ``out=`` argument, a live forward-AD level, an error; and a call made of several ops
-that mixes a vmap level's tensors with a plain one this level tracks (``F.linear`` of a
-batch and the weights in per-sample gradients), which would hand the vmap level plain
-tensors it cannot tell from ones autograd outside tracks. vmap's rules for composite ops
+that mixes a vmap level's tensors with a plain one this level tracks (``x @ w`` of a
+batch and a weight), which may hand the vmap level plain tensors it makes of that one
+(a reshape's copy) that the vmap level cannot tell from ones autograd outside tracks.
+The calls of per-sample gradients, ``F.linear``, the norms and convolutions of a batch
+and weights, make none but views (``w.t()``), which count as tracked as their base is
+(:func:`~torchlevels._level.tracked_outside`): they run here. vmap's rules for composite ops
 (``F.linear`` whole) step aside for calls run here, where autograd records on the vmap
 level's tensors themselves (batching/composite.py).
 """
@@ -57,6 +60,13 @@ CALLS = ELEMENTWISE | frozenset((
     F.softmax, F.log_softmax, F.cross_entropy, F.nll_loss, F.mse_loss, F.layer_norm,
     F.rms_norm, F.group_norm, F.normalize, F.conv1d, F.conv2d, F.conv3d,
     F.max_pool1d, F.max_pool2d, F.max_pool3d, F.avg_pool1d, F.avg_pool2d, F.avg_pool3d,
+))
+
+# calls that may mix a vmap level's tensors with plain ones this level tracks: their ops
+# take those plain tensors as they are, or views of them (``w.t()`` in ``F.linear``),
+# which count as tracked as their base (see tracked_outside)
+MIXED = ELEMENTWISE | frozenset((
+    F.linear, F.layer_norm, F.group_norm, F.rms_norm, F.conv1d, F.conv2d, F.conv3d,
 ))
 
 
@@ -106,10 +116,10 @@ def _on_inner(cls, func, args, kwargs) -> Any:
     inner_kwargs = {k: _inner_of(cls, v, found) for k, v in kwargs.items()} if kwargs else _EMPTY
     if kwargs and any(v is _DECLINE for v in inner_kwargs.values()):
         return None
-    if found[0] and found[1] and func not in ELEMENTWISE:
-        # a call made of several ops would hand a plain tensor it makes of a tracked one
-        # (W.t() in F.linear) to a vmap level's op unmarked (see mark_level_graph), and
-        # that level would record autograd on its physical tensors as well
+    if found[0] and found[1] and func not in MIXED:
+        # another call made of several ops may hand a plain tensor it makes of a tracked
+        # one (a reshape's copy in matmul) to a vmap level's op unmarked (see
+        # mark_level_graph), and that level would record autograd on its physical tensors
         return None
     try:
         out = func(*inner, **inner_kwargs)
