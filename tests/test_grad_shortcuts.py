@@ -92,6 +92,8 @@ def _double(*shape):
 # calls of an example (first argument) and weights, with the shapes of both
 MIXED_CALLS = {
     "linear": (lambda x, w, b: F.linear(x, w, b), (3, 5), ((6, 5), (6,))),
+    "linear of a vector": (lambda x, w: F.linear(x, w), (5,), ((6, 5),)),
+    "linear of a 3-d example": (lambda x, w, b: F.linear(x, w, b), (2, 3, 5), ((6, 5), (6,))),
     "layer norm": (lambda x, w, b: F.layer_norm(x, (5,), w, b), (3, 5), ((5,), (5,))),
     "rms norm": (lambda x, w: F.rms_norm(x, (5,), w), (3, 5), ((5,),)),
     "group norm": (lambda x, w, b: F.group_norm(x, 3, w, b), (2, 6, 5), ((6,), (6,))),
