@@ -430,7 +430,6 @@ def test_activation_backward_batched_natively(activation):
         torch.testing.assert_close(hessian(f)(x), torch.autograd.functional.hessian(f, x))
 
 
-
 @pytest.mark.parametrize("dim", [0, -1])
 @pytest.mark.parametrize("in_dims", [(0, 0, 0), (None, 1, 0), (2, None, None)])
 def test_glu_jvp_rule(dim, in_dims):
@@ -460,6 +459,7 @@ def test_per_example_hessian_vector_products_through_glu(dim):
     expected = torch.stack([torch.autograd.functional.hvp(f, x, x.cos())[1] for x in xs])
     torch.testing.assert_close(got, expected)
 
+
 @pytest.mark.parametrize("n", [1, 2])
 def test_per_example_gradients_through_batch_norm_of_one_channel(n):
     """Eval mode, one channel: the running stats of the examples are one expanded element,
@@ -473,7 +473,6 @@ def test_per_example_gradients_through_batch_norm_of_one_channel(n):
                         for y in x.clone().requires_grad_().unbind()])
     torch.testing.assert_close(vmap(grad(lambda y: f(y).sum()))(x), loop)
     torch.testing.assert_close(vmap(jacrev(f))(x), torch.func.vmap(torch.func.jacrev(f))(x))
-
 
 
 @pytest.mark.parametrize("make, shape", [
@@ -526,6 +525,7 @@ def test_weight_norm_backward_rule(v_dim, g_dim, dim):
     check(backward, *args, in_dims=tuple(dims))
     with pytest.raises(RuntimeError, match="dim=-1, but the fused kernels take only"):
         vmap(lambda v: aten._weight_norm_interface_backward(v, v, g, g, -1))(v[None])
+
 
 def test_hessian_through_batch_norm_in_training_mode():
     """The backward batched natively: an enclosing grad level gets its double backward."""
