@@ -712,3 +712,27 @@ def test_index_by_one_examples_int_tensor(name):
     expected = torch.stack([torch.autograd.grad(loss(x.requires_grad_(), i), x)[0]
                             for x, i in zip(xs.clone(), idx)])  # torch.func's grad refuses
     assert_close(torchlevels.vmap(torchlevels.grad(loss))(xs, idx), expected)
+
+
+@pytest.mark.parametrize("shape,mshape", [((4, 5), (4, 5)), ((4, 5), (5,)), ((5,), (4, 5)),
+                                          ((), ())])
+def test_masked_scatter_backward(shape, mshape):
+    """The source's gradient: the k-th True's gradient is the k-th source value's."""
+    sizes = [4, 6]  # room for every True of a (4, 5) mask
+
+    def backward(g, m):
+        return torch.ops.aten.masked_scatter_backward(g, m, sizes)
+
+    for dims in combos(2):
+        check(backward, [batched(randn(*shape), dims[0]),
+                         batched(lambda: torch.rand(mshape) > 0.5, dims[1])], dims)
+
+
+def test_grad_of_masked_scatter_under_vmap_takes_no_slow_loop():
+    x, m = torch.randn(B, 8, dtype=torch.float64), torch.rand(B, 8) > 0.5
+
+    def loss(s, m):
+        return torch.zeros(8, dtype=s.dtype).masked_scatter(m, s).pow(2).sum()
+
+    ours = run_ours(torchlevels.grad(loss), [x, m], (0, 0))
+    assert_close(ours, torch.func.vmap(torch.func.grad(loss))(x, m))

@@ -15,6 +15,8 @@ raise, as torch.func does.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from torchlevels.batching.dims import (
@@ -390,6 +392,26 @@ def masked_scatter(func, args, dims, kwargs):
         to_front(self, dims[0]).copy_(out.view(to_front(self, dims[0]).shape))
         return self, dims[0]
     return out, 0
+
+
+@register(aten.masked_scatter_backward.default)
+def masked_scatter_backward(func, args, dims, kwargs):
+    """The gradient of masked_scatter's source: each example's k-th True position gives
+    its gradient to the k-th value of the source; the values no True reached get zero."""
+    grad, mask, sizes = args
+    size = batch_size(args, dims)
+    rank = max(logical_rank(grad, dims[0]), logical_rank(mask, dims[1]))
+    g = pad_to_rank(materialize(grad, dims[0], size), rank)
+    m = pad_to_rank(materialize(mask, dims[1], size), rank)
+    shape = torch.broadcast_shapes(g.shape, m.shape)
+    g, m = rows(g.expand(shape)), rows(m.expand(shape))
+    numel = math.prod(sizes)
+    # the running count of Trues numbers the source value each position feeds, one column
+    # after a spare one that the False positions feed (dropped after); more Trues than
+    # source values index past the end and raise, as PyTorch's op does
+    position = torch.where(m, m.cumsum(1), 0)
+    out = g.new_zeros(size, numel + 1).scatter_add(1, position, g)
+    return out[:, 1:].reshape(size, *sizes), 0
 
 
 @register(aten.nonzero.default)
