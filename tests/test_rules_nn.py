@@ -1037,3 +1037,34 @@ def test_adaptive_max_pool_backward_with_shared_indices(k):
     out, idx = pool(x, 2, return_indices=True)
     grads = torch.randn(B, *out.shape)
     check(lambda g: op(g, x, idx), grads)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("shape", [(7,), (4, 7)])
+@pytest.mark.parametrize("xb,tb,wb", [(True, True, None), (True, False, False),
+                                      (False, True, True), (True, True, True)])
+def test_multi_margin_loss_per_example_gradients(reduction, shape, xb, tb, wb):
+    """The backward op batched (a batched class weight scales each row's gradient), against
+    autograd per example; p=2 and a margin other than 1 reach the kernel as given."""
+    x, xd = maybe(torch.randn(shape, dtype=torch.float64), xb)
+    t, td = (torch.randint(0, 7, (B,) + shape[:-1]), 0) if tb else (
+        torch.randint(0, 7, shape[:-1]), None)
+    w, wd = (None, None) if wb is None else maybe(torch.rand(7, dtype=torch.float64), wb)
+    if wd is not None:
+        w = w.abs() + 0.1
+
+    def loss(x, t, w):
+        return F.multi_margin_loss(x, t, p=2, margin=0.7, weight=w, reduction=reduction)
+
+    check(loss, x, t, w, in_dims=(xd, td, wd))
+    go = torch.randn(loss(x[0] if xb else x, t[0] if tb else t, w[0] if wd is not None else w
+                          ).shape, dtype=torch.float64)
+    got = vmap_without_slow_loop(
+        lambda x, t, w: grad(lambda x: (loss(x, t, w) * go).sum())(x), x, t, w,
+        in_dims=(xd, td, wd))
+    want = []
+    for k in range(B):
+        xk = (x[k] if xb else x).clone().requires_grad_()
+        out = loss(xk, t[k] if tb else t, w[k] if wd is not None else w)
+        want.append(torch.autograd.grad((out * go).sum(), xk)[0])
+    torch.testing.assert_close(got, torch.stack(want))

@@ -30,6 +30,7 @@ from torchlevels.batching.max_pool import max_pool
 from torchlevels.batching.registry import (
     batch_size,
     bound_arguments,
+    decomposition_of,
     register,
     skip_decomposition,
 )
@@ -610,6 +611,54 @@ def multilabel_margin_loss_backward(func, args, dims, kwargs):
         go = go.unsqueeze(1).expand(x.shape[:2])
         go = go / x.shape[1] if reduction == 1 else go
     grad = func(go.reshape(-1), rows, target, 0, is_target)
+    return grad.view(x.shape), 0
+
+
+def _margin_rows(func, args, dims, first: int):
+    """multi_margin_loss's (or its backward's, ``first=1``) arguments by name with the input
+    front-batched (``x``), as rows ``[B*N, C]`` (``[B, C]`` for examples without N), its
+    targets flat, and each row's class weight (None without weights)."""
+    named = bound_arguments(func, args, {})
+    size = batch_size(args, dims)
+    x = named["self"] = materialize(named["self"], dims[first], size)
+    named["rows"] = x.flatten(0, -2) if x.dim() > 1 else x.unsqueeze(1)  # a 0-d x: 1 class
+    target = named["target"] = materialize(named["target"], dims[first + 1], size).flatten()
+    if named["weight"] is not None:  # a row's loss scales by its target's weight
+        weight = materialize(named["weight"], dims[first + 4], size).view(size, -1)
+        named["weight"] = weight.gather(1, target.view(size, -1)).flatten()
+    return named
+
+
+@register(aten.multi_margin_loss.default)
+def multi_margin_loss(func, args, dims, kwargs):
+    """Each row's loss in one call (PyTorch's decomposition, which differentiates in every
+    mode), scaled by its class weight, then each example's reduction over its rows. (The
+    decomposition alone gives an unreduced 1-d example's loss a dim of 1.)"""
+    a = _margin_rows(func, args, dims, 0)
+    loss = decomposition_of(func)(a["rows"], a["target"], a["p"], a["margin"], None, 0)
+    if a["weight"] is not None:
+        loss = loss * a["weight"]
+    x, reduction = a["self"], a["reduction"]
+    if x.dim() == 3:
+        loss = loss.view(x.shape[:2])
+        loss = loss.mean(1) if reduction == 1 else loss.sum(1) if reduction == 2 else loss
+    return loss, 0
+
+
+@register(aten.multi_margin_loss_backward.default)
+def multi_margin_loss_backward(func, args, dims, kwargs):
+    """Each row's gradient in one call, from each example's gradient spread over its rows
+    and scaled by the row's class weight."""
+    a = _margin_rows(func, args, dims, 1)
+    x, reduction = a["self"], a["reduction"]
+    go = materialize(args[0], dims[0], x.shape[0])
+    if x.dim() == 3 and reduction != 0:
+        go = go.unsqueeze(1).expand(x.shape[:2])
+        go = go / x.shape[1] if reduction == 1 else go
+    go = go.flatten()
+    if a["weight"] is not None:
+        go = go * a["weight"]
+    grad = func(go, a["rows"], a["target"], a["p"], a["margin"], None, 0)
     return grad.view(x.shape), 0
 
 
