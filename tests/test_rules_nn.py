@@ -1068,3 +1068,12 @@ def test_multi_margin_loss_per_example_gradients(reduction, shape, xb, tb, wb):
         out = loss(xk, t[k] if tb else t, w[k] if wd is not None else w)
         want.append(torch.autograd.grad((out * go).sum(), xk)[0])
     torch.testing.assert_close(got, torch.stack(want))
+
+
+def test_multi_margin_loss_checks_the_weight_size():
+    x, t = torch.randn(B, 4, 7), torch.randint(0, 7, (B, 4))
+    for w, in_dims in [(torch.rand(9), (0, 0, None)), (torch.rand(B, 5), (0, 0, 0))]:
+        with pytest.raises(RuntimeError, match="inconsistent weight size"):
+            vmap(lambda x, t, w: F.multi_margin_loss(x, t, weight=w), in_dims)(x, t, w)
+        with pytest.raises(RuntimeError, match="inconsistent weight size"):
+            F.multi_margin_loss(x[0], t[0], weight=w[0] if in_dims[2] == 0 else w)

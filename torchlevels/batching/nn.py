@@ -625,6 +625,10 @@ def _margin_rows(func, args, dims, first: int):
     target = named["target"] = materialize(named["target"], dims[first + 1], size).flatten()
     if named["weight"] is not None:  # a row's loss scales by its target's weight
         weight = materialize(named["weight"], dims[first + 4], size).view(size, -1)
+        if weight.shape[1] != named["rows"].shape[1]:
+            raise RuntimeError(
+                f"multi_margin_loss: inconsistent weight size, expected "
+                f"{named['rows'].shape[1]} (one per class) but got {weight.shape[1]}")
         named["weight"] = weight.gather(1, target.view(size, -1)).flatten()
     return named
 
