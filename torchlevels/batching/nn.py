@@ -615,9 +615,9 @@ def multilabel_margin_loss_backward(func, args, dims, kwargs):
 
 
 def _margin_rows(func, args, dims, first: int):
-    """multi_margin_loss's (or its backward's, ``first=1``) arguments by name with the input
-    front-batched (``x``), as rows ``[B*N, C]`` (``[B, C]`` for examples without N), its
-    targets flat, and each row's class weight (None without weights)."""
+    """multi_margin_loss's (or, ``first=1``, its backward's) arguments by name: ``self``
+    front-batched, ``rows`` the same as ``[B*N, C]`` (``[B, C]`` for examples without N),
+    ``target`` flat, and ``weight`` each row's class weight (None without weights)."""
     named = bound_arguments(func, args, {})
     size = batch_size(args, dims)
     x = named["self"] = materialize(named["self"], dims[first], size)
