@@ -364,6 +364,17 @@ def masked_select(func, args, dims, kwargs):
     return aten.index.Tensor(x, [None, mask.expand(shape)]), 0
 
 
+def _broadcast_with_mask(x: torch.Tensor, mask: torch.Tensor, dims: tuple, size: int
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` and ``mask`` (masked_scatter's ``self`` or its gradient, and its mask), both
+    front-batched and broadcast to the shape of their examples together."""
+    rank = max(logical_rank(x, dims[0]), logical_rank(mask, dims[1]))
+    x = pad_to_rank(materialize(x, dims[0], size), rank)
+    mask = pad_to_rank(materialize(mask, dims[1], size), rank)
+    shape = torch.broadcast_shapes(x.shape, mask.shape)
+    return x.expand(shape), mask.expand(shape)
+
+
 @register(aten.masked_scatter.default, aten.masked_scatter_.default)
 def masked_scatter(func, args, dims, kwargs):
     """masked_scatter: the k-th True of each example's mask takes its source's k-th value."""
@@ -377,11 +388,8 @@ def masked_scatter(func, args, dims, kwargs):
             f"{self.dtype} and {source.dtype}"
         )
     size = batch_size(args, dims)
-    rank = max(logical_rank(self, dims[0]), logical_rank(mask, dims[1]))
-    x = pad_to_rank(materialize(self, dims[0], size), rank)
-    m = pad_to_rank(materialize(mask, dims[1], size), rank)
-    shape = torch.broadcast_shapes(x.shape, m.shape)
-    m = m.expand(shape)
+    x, m = _broadcast_with_mask(self, mask, dims, size)
+    shape = m.shape
     flat_source = rows(materialize(source, dims[2], size))
     if flat_source.shape[1] == 0:  # nothing to gather from: keep gather's index in range
         flat_source = flat_source.new_zeros(size, 1)
@@ -400,11 +408,7 @@ def masked_scatter_backward(func, args, dims, kwargs):
     its gradient to the k-th value of the source; the values no True reached get zero."""
     grad, mask, sizes = args
     size = batch_size(args, dims)
-    rank = max(logical_rank(grad, dims[0]), logical_rank(mask, dims[1]))
-    g = pad_to_rank(materialize(grad, dims[0], size), rank)
-    m = pad_to_rank(materialize(mask, dims[1], size), rank)
-    shape = torch.broadcast_shapes(g.shape, m.shape)
-    g, m = rows(g.expand(shape)), rows(m.expand(shape))
+    g, m = map(rows, _broadcast_with_mask(grad, mask, dims, size))
     numel = math.prod(sizes)
     # the running count of Trues numbers the source value each position feeds, one column
     # after a spare one that the False positions feed (dropped after); more Trues than
