@@ -572,11 +572,33 @@ def nll_loss_backward(func, args, dims, kwargs):
     return grad, 0
 
 
+def _as_rows(x: torch.Tensor) -> torch.Tensor:
+    """A margin loss's front-batched input as rows ``[B*N, C]`` (``[B, C]`` for examples
+    without N, ``[B, 1]`` for 0-d ones, of one class)."""
+    return x.flatten(0, -2) if x.dim() > 1 else x.unsqueeze(1)
+
+
+def _example_losses(loss: torch.Tensor, x: torch.Tensor, reduction: int) -> torch.Tensor:
+    """Each row's loss (of the rows of :func:`_as_rows`) as each example's: reduced over
+    its N rows for examples with N, unless ``reduction`` is none (0)."""
+    loss = loss.view(x.shape[:-1] if x.dim() > 1 else x.shape)
+    return per_example(loss, reduction == 1) if x.dim() == 3 and reduction != 0 else loss
+
+
+def _row_gradients(go: torch.Tensor, x: torch.Tensor, reduction: int) -> torch.Tensor:
+    """Each example's loss gradient ``go`` (front-batched) as its rows', flat: spread over
+    the N rows of a reduced loss (a mean's divided by N)."""
+    if x.dim() == 3 and reduction != 0:
+        go = go.unsqueeze(1).expand(x.shape[:2])
+        go = go / x.shape[1] if reduction == 1 else go
+    return go.reshape(-1)
+
+
 def _multilabel_rows(args, dims, size):
     """Input, target and is_target front-batched, and each as rows ``[B*N, C]`` (``[B, C]``
     for examples without N, ``[B, 1]`` for 0-d ones)."""
     x = materialize(args[0], dims[0], size)
-    rows = [x.flatten(0, -2) if x.dim() > 1 else x.unsqueeze(1)]  # a 0-d x: one class
+    rows = [_as_rows(x)]
     for a, d in zip(args[1:], dims[1:]):
         rows.append(materialize(a, d, size).reshape(rows[0].shape))
     return x, rows
@@ -593,10 +615,7 @@ def multilabel_margin_loss_forward(func, args, dims, kwargs):
     reduction = args[2]
     x, (rows, target) = _multilabel_rows(args[:2], dims[:2], batch_size(args, dims))
     loss, is_target = func(rows, target, 0)
-    loss = loss.view(x.shape[:-1] if x.dim() > 1 else x.shape)
-    if x.dim() == 3 and reduction != 0:
-        loss = loss.mean(1) if reduction == 1 else loss.sum(1)
-    return (loss, is_target.view(x.shape)), (0, 0)
+    return (_example_losses(loss, x, reduction), is_target.view(x.shape)), (0, 0)
 
 
 @register(aten.multilabel_margin_loss_backward.default)
@@ -606,11 +625,8 @@ def multilabel_margin_loss_backward(func, args, dims, kwargs):
     size = batch_size(args, dims)
     x, (rows, target, is_target) = _multilabel_rows(
         (args[1], args[2], args[4]), (dims[1], dims[2], dims[4]), size)
-    go = materialize(go, dims[0], size)
-    if x.dim() == 3 and reduction != 0:
-        go = go.unsqueeze(1).expand(x.shape[:2])
-        go = go / x.shape[1] if reduction == 1 else go
-    grad = func(go.reshape(-1), rows, target, 0, is_target)
+    go = _row_gradients(materialize(go, dims[0], size), x, reduction)
+    grad = func(go, rows, target, 0, is_target)
     return grad.view(x.shape), 0
 
 
@@ -621,7 +637,7 @@ def _margin_rows(func, args, dims, first: int):
     named = bound_arguments(func, args, {})
     size = batch_size(args, dims)
     x = named["self"] = materialize(named["self"], dims[first], size)
-    named["rows"] = x.flatten(0, -2) if x.dim() > 1 else x.unsqueeze(1)  # a 0-d x: 1 class
+    named["rows"] = _as_rows(x)
     target = named["target"] = materialize(named["target"], dims[first + 1], size).flatten()
     if named["weight"] is not None:  # a row's loss scales by its target's weight
         weight = materialize(named["weight"], dims[first + 4], size).view(size, -1)
@@ -642,11 +658,7 @@ def multi_margin_loss(func, args, dims, kwargs):
     loss = decomposition_of(func)(a["rows"], a["target"], a["p"], a["margin"], None, 0)
     if a["weight"] is not None:
         loss = loss * a["weight"]
-    x, reduction = a["self"], a["reduction"]
-    if x.dim() == 3:
-        loss = loss.view(x.shape[:2])
-        loss = loss.mean(1) if reduction == 1 else loss.sum(1) if reduction == 2 else loss
-    return loss, 0
+    return _example_losses(loss, a["self"], a["reduction"]), 0
 
 
 @register(aten.multi_margin_loss_backward.default)
@@ -654,12 +666,8 @@ def multi_margin_loss_backward(func, args, dims, kwargs):
     """Each row's gradient in one call, from each example's gradient spread over its rows
     and scaled by the row's class weight."""
     a = _margin_rows(func, args, dims, 1)
-    x, reduction = a["self"], a["reduction"]
-    go = materialize(args[0], dims[0], x.shape[0])
-    if x.dim() == 3 and reduction != 0:
-        go = go.unsqueeze(1).expand(x.shape[:2])
-        go = go / x.shape[1] if reduction == 1 else go
-    go = go.flatten()
+    x = a["self"]
+    go = _row_gradients(materialize(args[0], dims[0], x.shape[0]), x, a["reduction"])
     if a["weight"] is not None:
         go = go * a["weight"]
     grad = func(go, a["rows"], a["target"], a["p"], a["margin"], None, 0)
