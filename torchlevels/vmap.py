@@ -43,6 +43,8 @@ from torchlevels.batching.dims import pad_to_rank
 from torchlevels.batching.pointwise import broadcasting
 from torchlevels.batching.registry import (
     How,
+    Resolved,
+    loop_rule,
     no_examples,
     resolve,
     resolved_by_id,
@@ -138,12 +140,9 @@ class BatchLevel(Level):
                 return out
         if rule.how is How.DECOMPOSITION:
             return rule.fn(*args, **kwargs)
-        phys, dims, grad = unwrap_args(cls, args)
         if kwargs and any(type(v) is cls for v in kwargs.values()):
-            raise NotImplementedError(
-                f"vmap: {func} got a batched tensor as a keyword-only argument, which no "
-                "batching rule handles. Pass it positionally or write a rule for the op."
-            )
+            return self._batched_keywords(cls, func, rule, args, kwargs)
+        phys, dims, grad = unwrap_args(cls, args)
         if self.batch_size == 0 and not grad and _computes_new_values(func):
             # Some kernels refuse, or crash on, the empty inputs a batch of no examples
             # folds to (a grouped convolution of 0 groups, batch norm's backward): give
@@ -152,22 +151,34 @@ class BatchLevel(Level):
                 return wrap_outputs(cls, func, False, args, *no_examples(func, phys, dims, kwargs))
             except Exception:
                 pass  # no meta kernel, or a data-dependent shape: the rule decides
+        out, out_dims = self._apply(rule, grad, func, phys, dims, kwargs)
+        return wrap_outputs(cls, func, rule.inplace, args, out, out_dims)
+
+    def _apply(self, rule, grad: bool, func, *rule_args):
+        """``rule`` on the physical tensors; ``grad``: one needs grad for autograd outside."""
+        rule_args = (self, func, *rule_args) if rule.takes_level else (func, *rule_args)
         if (grad or rule.view) and torch.is_grad_enabled():
             # Record autograd on the inner tensors, so autograd outside vmap sees the graph.
             # A view is made as autograd's view of its base even when nothing requires
             # grad yet: a tracked value written through it later must reach the base.
             with autograd_on():
-                out, out_dims = self._apply(rule, func, phys, dims, kwargs)
-        else:
-            with preserved_dispatch_keys():
-                lazy_bits_on()
-                out, out_dims = self._apply(rule, func, phys, dims, kwargs)
-        return wrap_outputs(cls, func, rule.inplace, args, out, out_dims)
+                return rule.fn(*rule_args)
+        with preserved_dispatch_keys():
+            lazy_bits_on()
+            return rule.fn(*rule_args)
 
-    def _apply(self, rule, func, phys, dims, kwargs):
-        if rule.takes_level:
-            return rule.fn(self, func, phys, dims, kwargs)
-        return rule.fn(func, phys, dims, kwargs)
+    def _batched_keywords(self, cls, func, rule, args, kwargs):
+        """An op given a batched tensor as a keyword-only argument (``searchsorted``'s
+        ``sorter``, ``segment_reduce``'s ``lengths``): its own rule if that takes the
+        keywords' batch dims, else the per-example loop, which takes them apart too."""
+        phys, dims, grad = unwrap_args(cls, args)
+        names = list(kwargs)
+        kw_phys, kw_dims, kw_grad = unwrap_args(cls, tuple(kwargs.values()))
+        if not rule.keyword_dims:
+            rule = Resolved(How.LOOP, loop_rule, inplace=rule.inplace, view=rule.view)
+        out, out_dims = self._apply(rule, grad or kw_grad, func, phys, dims,
+                                    dict(zip(names, kw_phys)), dict(zip(names, kw_dims)))
+        return wrap_outputs(cls, func, rule.inplace, args, out, out_dims)
 
     def composite(self, cls, func, rule, args, kwargs):
         """Apply a composite op's rule (see batching/composite.py), or let it decompose."""

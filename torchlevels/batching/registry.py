@@ -48,9 +48,11 @@ class Resolved:
     takes_level: bool = False  # fn(level, func, args, dims, kwargs): needs the level's state
     inplace: bool = False  # func writes its first argument and returns it (add_, copy_...)
     view: bool = False  # func returns a view of an argument (select, slice, t...)
+    # fn(func, args, dims, kwargs, kw_dims) takes batched keyword-only tensors (sorter=)
+    keyword_dims: bool = False
 
 
-_own: dict[OpOverload | OpOverloadPacket, tuple[Rule, bool]] = {}
+_own: dict[OpOverload | OpOverloadPacket, tuple[Rule, bool, bool]] = {}
 _families: list[tuple[str, Callable[[OpOverload], bool], Rule]] = []
 # Keyed by id(func): OpOverloads are interned for the process, and hashing them runs Python.
 resolved_by_id: dict[int, Resolved] = {}
@@ -59,12 +61,16 @@ _no_decomposition: set[OpOverload] = set()
 
 
 def register(
-    *ops: OpOverload | OpOverloadPacket, takes_level: bool = False
+    *ops: OpOverload | OpOverloadPacket, takes_level: bool = False, keyword_dims: bool = False
 ) -> Callable[[Rule], Rule]:
     """Register ``rule`` as the own batching rule of ``ops`` (overloads or packets).
 
     With ``takes_level=True`` the rule is called as ``rule(level, func, args, dims, kwargs)``
-    (for rules that depend on the level's state, such as its randomness).
+    (for rules that depend on the level's state, such as its randomness). With
+    ``keyword_dims=True`` it also batches keyword-only tensors (``searchsorted``'s
+    ``sorter``): when one is batched it is called with a fifth argument, the batch dims
+    of the keyword arguments by name (``None`` for unbatched ones); a call with none
+    batched omits it. A rule without it leaves such calls to the per-example loop.
 
     Example::
 
@@ -76,7 +82,7 @@ def register(
 
     def deco(rule: Rule) -> Rule:
         for op in ops:
-            _own[op] = (rule, takes_level)
+            _own[op] = (rule, takes_level, keyword_dims)
         resolved_by_id.clear()
         if _builtins_loaded and any(_namespace(op) == "aten" for op in ops):
             shortcuts.switch_off()  # the user's rule must see every call of the op
@@ -132,7 +138,8 @@ def _resolve(func: OpOverload) -> Resolved:
         return Resolved(How.DECOMPOSITION, functools.partial(into_out, func))
     own = own or _own.get(func.overloadpacket)
     if own is not None:
-        return Resolved(How.OWN, own[0], takes_level=own[1], inplace=inplace, view=view)
+        return Resolved(How.OWN, own[0], takes_level=own[1], inplace=inplace, view=view,
+                        keyword_dims=own[2])
     if is_custom_op(func) and _maybe_get_opdef(func)._vmap_fn is not None:
         return Resolved(How.OWN, _custom_op_rule, takes_level=True, inplace=inplace, view=view)
     for name, applies, rule in _families:
@@ -392,8 +399,10 @@ def reset_loop_warnings() -> None:
     _warned.clear()
 
 
-def loop_rule(func: OpOverload, args: tuple, dims: tuple, kwargs: dict) -> tuple[Any, Any]:
-    """The fallback: run ``func`` once per example and stack the results (slow, warns)."""
+def loop_rule(func: OpOverload, args: tuple, dims: tuple, kwargs: dict,
+              kw_dims: dict | None = None) -> tuple[Any, Any]:
+    """The fallback: run ``func`` once per example and stack the results (slow, warns).
+    ``kw_dims`` are the batch dims of keyword arguments by name, if any is batched."""
     # each example would write the one unbatched tensor in turn (resize_as_ may: it reads
     # only the template's shape, the same for every example)
     if func is not _resize_as_ and any(
@@ -403,10 +412,11 @@ def loop_rule(func: OpOverload, args: tuple, dims: tuple, kwargs: dict) -> tuple
     if func not in _warned:
         _warned.add(func)
         warnings.warn(f"no batching rule for {func}; using a slow loop", stacklevel=2)
-    size = batch_size(args, dims)
+    kw_dims = kw_dims or {}
+    size = batch_size((*args, *kwargs.values()), (*dims, *map(kw_dims.get, kwargs)))
     if size == 0:
         try:
-            return no_examples(func, args, dims, kwargs)
+            return no_examples(func, args, dims, kwargs, kw_dims)
         except NotImplementedError:
             raise RuntimeError(
                 f"vmap over a batch of 0 examples: {func} has no batching rule, and no meta "
@@ -419,7 +429,8 @@ def loop_rule(func: OpOverload, args: tuple, dims: tuple, kwargs: dict) -> tuple
     per_example = []
     for b in range(size):
         sliced = [_select(a, d, b, contiguous) for a, d in zip(args, dims)]
-        per_example.append(func(*sliced, **kwargs))
+        sliced_kwargs = {k: _select(v, kw_dims.get(k), b, contiguous) for k, v in kwargs.items()}
+        per_example.append(func(*sliced, **sliced_kwargs))
     first = per_example[0] if per_example else None
     if isinstance(first, torch.Tensor):
         return _stack(func, per_example), 0
@@ -432,11 +443,12 @@ def loop_rule(func: OpOverload, args: tuple, dims: tuple, kwargs: dict) -> tuple
     )
 
 
-def no_examples(func: OpOverload, args: tuple, dims: tuple, kwargs: dict) -> tuple[Any, Any]:
+def no_examples(func: OpOverload, args: tuple, dims: tuple, kwargs: dict,
+                kw_dims: dict | None = None) -> tuple[Any, Any]:
     """What a loop over a batch of no examples gives: ``(0, *shape)`` outputs, ``shape`` that
     of one example's output, found by running ``func`` on meta tensors. For kernels that
     refuse the empty inputs a batch of none folds to (0 groups of a grouped convolution,
-    batch norm over no elements...)."""
+    batch norm over no elements...). ``kw_dims``: the keyword arguments' batch dims."""
 
     def meta(a, d):
         if isinstance(d, tuple):
@@ -447,7 +459,8 @@ def no_examples(func: OpOverload, args: tuple, dims: tuple, kwargs: dict) -> tup
         return torch.empty(shape, dtype=a.dtype, device="meta")
 
     device = next(a.device for a in args if isinstance(a, torch.Tensor))
-    out = func(*map(meta, args, dims), **{k: meta(v, None) for k, v in kwargs.items()})
+    kw_dims = kw_dims or {}
+    out = func(*map(meta, args, dims), **{k: meta(v, kw_dims.get(k)) for k, v in kwargs.items()})
 
     def batch_of_none(o):
         return torch.empty((0, *o.shape), dtype=o.dtype, device=device)
