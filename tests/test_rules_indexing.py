@@ -12,6 +12,7 @@ from torch.testing import assert_close
 from vmap_reference import loop_reference, vmap_without_slow_loop
 
 import torchlevels
+from torchlevels.batching import registry
 
 aten = torch.ops.aten
 # torch.func's own slow-path warnings are noise here; ours are checked in run_ours
@@ -736,3 +737,79 @@ def test_grad_of_masked_scatter_under_vmap_takes_no_slow_loop():
 
     ours = run_ours(torchlevels.grad(loss), [x, m], (0, 0))
     assert_close(ours, torch.func.vmap(torch.func.grad(loss))(x, m))
+
+
+# -- keyword-only tensors -----------------------------------------------------------------
+
+
+def _at(x, d):
+    """A batch (B, ...) as a physical argument batched at ``d``, or example 0 for None."""
+    return x[0] if d is None else x.movedim(0, d)
+
+
+@pytest.mark.parametrize("dims", [(0, 0, 0), (None, 0, 0), (0, None, 0), (None, None, 0),
+                                  (-1, 0, -1), (0, 0, None)])
+@pytest.mark.parametrize("rows", [(), (2,)])
+def test_searchsorted_with_a_sorter(dims, rows):
+    """``sorter`` is keyword-only: a batched one sorts each example's boundaries (shared
+    boundaries too: then every example sorts them alike)."""
+    base = torch.randn(*rows, 6).sort(-1).values
+    perm = torch.randn(B, *rows, 6).argsort(-1)
+    if dims[0] is None or dims[2] is None:  # one of them is shared: so is the permutation
+        perm = perm[:1].expand(B, *rows, 6)
+    boundaries = base.expand(B, *rows, 6).gather(-1, perm)
+    values = torch.randn(B, *rows, 4)
+    args = [_at(t, d) for t, d in zip((boundaries, values, perm.argsort(-1)), dims)]
+    check(lambda b, v, s: torch.searchsorted(b, v, sorter=s, right=True), args, dims)
+
+
+@pytest.mark.parametrize("reduce", ["sum", "mean", "max", "min", "prod"])
+@pytest.mark.parametrize("how", ["lengths", "offsets"])
+@pytest.mark.parametrize("dims", [(0, 0), (0, None), (None, 0), (-1, 0)])
+def test_segment_reduce(reduce, how, dims):
+    """Each example's segments, by its own ``lengths``/``offsets`` (keyword-only) or shared
+    ones, along axis 1 of (2, 6, 3) data, empty segments included."""
+    data = torch.randn(B, 2, 6, 3)
+    lengths = torch.tensor([[[1, 2, 3], [3, 3, 0]], [[0, 6, 0], [2, 2, 2]],
+                            [[6, 0, 0], [1, 0, 5]]])
+    if reduce == "mean":  # the mean of an empty segment is NaN: none here
+        lengths = torch.tensor([[[1, 2, 3], [3, 2, 1]], [[1, 4, 1], [2, 2, 2]],
+                                [[4, 1, 1], [1, 1, 4]]])
+    lens = lengths if how == "lengths" else torch.cat(
+        [torch.zeros(B, 2, 1, dtype=torch.long), lengths.cumsum(-1)], -1)
+    initial = 1.0 if reduce == "prod" else None
+
+    def f(d, ls):
+        return torch.segment_reduce(d, reduce, axis=-2, initial=initial, **{how: ls})
+
+    check(f, [_at(data, dims[0]), _at(lens, dims[1])], dims)
+
+
+def test_grad_of_segment_reduce_under_vmap_takes_no_slow_loop():
+    """``_segment_reduce_backward`` takes each example's lengths too."""
+    data = torch.randn(B, 6, 2, dtype=torch.float64)
+    lengths = torch.tensor([[1, 2, 3], [0, 4, 2], [6, 0, 0]])
+
+    def loss(d, ls):
+        return torch.segment_reduce(d, "mean", lengths=ls).pow(2).sum()
+
+    expected = torch.stack([torch.autograd.grad(loss(d.requires_grad_(), ls), d)[0]
+                            for d, ls in zip(data.clone(), lengths)])
+    assert_close(run_ours(torchlevels.grad(loss), [data, lengths], (0, 0)), expected)
+
+
+def test_the_loop_takes_keyword_only_tensors_apart():
+    """An op with no rule for its batched keyword-only tensor (``histogram``'s
+    ``weight``) runs once per example, with that example's tensor: as a loop, and as
+    torch.func, whose fallback does the same."""
+    x, w = torch.randn(B, 20), torch.rand(B, 20)
+    bins = torch.linspace(-2, 2, 5)
+
+    def f(x, w):
+        return torch.histogram(x, bins, weight=w).hist
+
+    registry.reset_loop_warnings()  # it warns once per op
+    with pytest.warns(UserWarning, match="no batching rule for aten.histogram"):
+        ours = torchlevels.vmap(f)(x, w)
+    assert_close(ours, loop_reference(f, [x, w], (0, 0)))
+    assert_close(ours, torch.func.vmap(f)(x, w))

@@ -351,10 +351,18 @@ def test_complex_pinv(op):
     check(op, a, in_dims=0)
 
 
-@pytest.mark.xfail(strict=True, reason="a batched keyword-only tensor: refused by the core")
-def test_pinv_with_batched_tolerance():
-    check(lambda a, r: linalg.pinv(a, rtol=r), general(), torch.rand(B, dtype=torch.float64),
-          in_dims=(0, 0))
+@pytest.mark.parametrize("in_dims", [(0, 0, None), (None, 0, 0), (0, None, 0), (1, 0, 0)])
+def test_pinv_with_batched_tolerances(in_dims):
+    """``atol``/``rtol`` are keyword-only tensors: batched ones are each example's own,
+    broadcast against a batch of matrices inside each example too."""
+    a = torch.randn(B, 2, 5, N, dtype=torch.float64).movedim(0, in_dims[0] or 0)
+    atol = torch.rand(B, 2, dtype=torch.float64)
+    rtol = torch.rand(B, 1, dtype=torch.float64) * 0.5
+
+    def f(a, atol, rtol):
+        return linalg.pinv(a, atol=atol, rtol=rtol)
+
+    check(f, a if in_dims[0] is not None else a[0], atol, rtol, in_dims=in_dims)
 
 
 # -- nesting and autograd ----------------------------------------------------------------

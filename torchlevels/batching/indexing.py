@@ -475,9 +475,13 @@ def unique(func, args, dims, kwargs):
 # -- sorted search --------------------------------------------------------------------------
 
 
-@register(aten.searchsorted.Tensor, aten.searchsorted.Scalar, aten.bucketize.Tensor)
-def searchsorted(func, args, dims, kwargs):
-    """Search batched values in shared boundaries directly; batched boundaries go per row."""
+@register(aten.searchsorted.Tensor, aten.searchsorted.Scalar, aten.bucketize.Tensor,
+          keyword_dims=True)
+def searchsorted(func, args, dims, kwargs, kw_dims=None):
+    """Search batched values in shared boundaries directly; batched boundaries, or shared
+    ones each example sorts with its own ``sorter``, go per row."""
+    sorter_dim = (kw_dims or {}).get("sorter")
+    size = batch_size((*args, kwargs.get("sorter")), (*dims, sorter_dim))
     if func is aten.bucketize.Tensor:  # bucketize(values, boundaries) = searchsorted(b, v)
         (values, boundaries), (vd, bd), rest = args[:2], dims[:2], args[2:]
         out_int32, right = (list(rest) + [kwargs.get("out_int32", False),
@@ -485,8 +489,7 @@ def searchsorted(func, args, dims, kwargs):
         kwargs = {"out_int32": out_int32, "right": right}
     else:
         (boundaries, values), (bd, vd), rest = args[:2], dims[:2], args[2:]
-    size = batch_size(args, dims)
-    if bd is None and boundaries.dim() == 1:
+    if bd is None and boundaries.dim() == 1 and sorter_dim is None:
         if not isinstance(values, torch.Tensor):
             return torch.searchsorted(boundaries, values, *rest, **kwargs), None
         return torch.searchsorted(boundaries, to_front(values, vd), *rest, **kwargs), 0
@@ -496,7 +499,10 @@ def searchsorted(func, args, dims, kwargs):
         return torch.searchsorted(boundaries, values, *rest, **kwargs).squeeze(-1), 0
     values = materialize(values, vd, size)
     if kwargs.get("sorter") is not None:  # the sorter indexes the (now batched) boundaries
-        kwargs = {**kwargs, "sorter": kwargs["sorter"].expand(boundaries.shape)}
+        sorter = kwargs["sorter"]
+        sorter = sorter.expand(boundaries.shape) if sorter_dim is None else to_front(
+            sorter, sorter_dim)
+        kwargs = {**kwargs, "sorter": sorter}
     if boundaries.dim() == 2:  # one sorted row per example: flatten each example's values
         flat_values = values.flatten(1) if values.dim() > 1 else values.unsqueeze(1)
     else:  # rows of boundaries pair with rows of values

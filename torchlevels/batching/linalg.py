@@ -81,13 +81,30 @@ leading_batch_dims(
     aten._linalg_det.default, aten._linalg_slogdet.default, aten.linalg_lu_factor_ex.default,
     aten.linalg_lu.default, aten.linalg_qr.default, aten._linalg_eigh.default,
     aten.linalg_eig.default, aten._linalg_svd.default, aten.cholesky_inverse.default,
-    aten.linalg_pinv.atol_rtol_tensor, aten.geqrf.default,
+    aten.geqrf.default,
     aten.linalg_ldl_factor_ex.default, aten.tril.default, aten.triu.default,
 )
 # Several inputs whose batch shapes broadcast, one output.
 leading_batch_dims(aten.cholesky_solve.default, aten.linalg_solve_triangular.default,
                    cores=(2, 2))
 leading_batch_dims(aten.linalg_pinv.rcond_tensor, cores=(2, 0))
+
+
+@register(aten.linalg_pinv.atol_rtol_tensor, keyword_dims=True)
+def pinv_tolerances(func, args, dims, kwargs, kw_dims=None):
+    """``pinv`` whose ``atol``/``rtol`` tensors broadcast against the matrices' batch
+    shape: all batched first, with size-1 dims after the batch dim up to one batch rank."""
+    if not kw_dims:
+        return batch_first(func, args, dims, kwargs, (2,))
+    check_ranks(func, args, dims, (2,), {})
+    size = batch_size((*args, *kwargs.values()), (*dims, *map(kw_dims.get, kwargs)))
+    tolerances = {k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
+    rank = max(logical_rank(args[0], dims[0]) - 2,
+               *(logical_rank(v, kw_dims.get(k)) for k, v in tolerances.items()))
+    matrices = pad_to_rank(materialize(args[0], dims[0], size), rank + 2)
+    kwargs = {**kwargs, **{k: pad_to_rank(materialize(v, kw_dims.get(k), size), rank)
+                           for k, v in tolerances.items()}}
+    return func(matrices, *args[1:], **kwargs), 0
 # Several inputs, outputs that need the full batch or inputs that need equal batch shapes.
 leading_batch_dims(aten.triangular_solve.default, cores=(2, 2), equal=True)
 leading_batch_dims(aten.linalg_householder_product.default, cores=(2, 1), equal=True)

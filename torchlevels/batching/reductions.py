@@ -158,6 +158,23 @@ def renorm(func, args, dims, kwargs):
     return out, 0
 
 
+@register(aten.segment_reduce.default, aten._segment_reduce_backward.default,
+          keyword_dims=True)
+def segment_reduce(func, args, dims, kwargs, kw_dims=None):
+    """Each example's segments, by its own ``lengths`` or ``offsets`` or by shared ones:
+    the batch becomes the first dim of the data and of the lengths (whose last dim is the
+    reduction's axis, as PyTorch requires), and the axis moves one along."""
+    kw_dims = kw_dims or {}
+    size = batch_size((*args, *kwargs.values()), (*dims, *map(kw_dims.get, kwargs)))
+    phys = [materialize(a, d, size) if isinstance(a, torch.Tensor) else a
+            for a, d in zip(args, dims)]
+    data = phys[0] if func is aten.segment_reduce.default else phys[2]  # backward: grad, out
+    options = {k: materialize(v, kw_dims.get(k), size) if isinstance(v, torch.Tensor) else v
+               for k, v in kwargs.items()}
+    options["axis"] = wrap_dim(kwargs.get("axis", 0), data.dim() - 1) + 1
+    return func(*phys, **options), 0
+
+
 @register(aten.histc.default)
 def histc(func, args, dims, kwargs):
     """Each example's histogram, in one pass over the batch.
