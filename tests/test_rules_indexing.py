@@ -809,7 +809,19 @@ def test_the_loop_takes_keyword_only_tensors_apart():
         return torch.histogram(x, bins, weight=w).hist
 
     registry.reset_loop_warnings()  # it warns once per op
-    with pytest.warns(UserWarning, match="no batching rule for aten.histogram"):
+    with pytest.warns(UserWarning, match=r"no batching rule for aten\.histogram\.bins_tensor "
+                      r"with batched keyword-only arguments \['weight'\]"):
         ours = torchlevels.vmap(f)(x, w)
     assert_close(ours, loop_reference(f, [x, w], (0, 0)))
     assert_close(ours, torch.func.vmap(f)(x, w))
+
+
+def test_batched_keywords_over_no_examples():
+    """A batch of none gives what a loop over none gives: outputs shaped like one
+    example's, found from the op's meta kernel with the keyword tensors' batch dims."""
+    def f(d, ls):
+        return torch.segment_reduce(d, "sum", lengths=ls)
+
+    one = f(torch.randn(6, 2), torch.tensor([1, 2, 3]))
+    out = torchlevels.vmap(f)(torch.randn(0, 6, 2), torch.zeros(0, 3, dtype=torch.long))
+    assert out.shape == (0, *one.shape)

@@ -10,6 +10,7 @@ and wraps the outputs that carry a batch dim.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -140,45 +141,36 @@ class BatchLevel(Level):
                 return out
         if rule.how is How.DECOMPOSITION:
             return rule.fn(*args, **kwargs)
-        if kwargs and any(type(v) is cls for v in kwargs.values()):
-            return self._batched_keywords(cls, func, rule, args, kwargs)
         phys, dims, grad = unwrap_args(cls, args)
+        kw_dims = None
+        if kwargs and any(type(v) is cls for v in kwargs.values()):
+            rule, kwargs, kw_dims, kw_grad = _batched_keywords(cls, rule, kwargs)
+            grad = grad or kw_grad
         if self.batch_size == 0 and not grad and _computes_new_values(func):
             # Some kernels refuse, or crash on, the empty inputs a batch of no examples
             # folds to (a grouped convolution of 0 groups, batch norm's backward): give
             # what a loop over none gives, when one example's output shapes can be found.
             try:
-                return wrap_outputs(cls, func, False, args, *no_examples(func, phys, dims, kwargs))
+                return wrap_outputs(cls, func, False, args,
+                                    *no_examples(func, phys, dims, kwargs, kw_dims))
             except Exception:
                 pass  # no meta kernel, or a data-dependent shape: the rule decides
-        out, out_dims = self._apply(rule, grad, func, phys, dims, kwargs)
-        return wrap_outputs(cls, func, rule.inplace, args, out, out_dims)
-
-    def _apply(self, rule, grad: bool, func, *rule_args):
-        """``rule`` on the physical tensors; ``grad``: one needs grad for autograd outside."""
-        rule_args = (self, func, *rule_args) if rule.takes_level else (func, *rule_args)
         if (grad or rule.view) and torch.is_grad_enabled():
             # Record autograd on the inner tensors, so autograd outside vmap sees the graph.
             # A view is made as autograd's view of its base even when nothing requires
             # grad yet: a tracked value written through it later must reach the base.
             with autograd_on():
-                return rule.fn(*rule_args)
-        with preserved_dispatch_keys():
-            lazy_bits_on()
-            return rule.fn(*rule_args)
-
-    def _batched_keywords(self, cls, func, rule, args, kwargs):
-        """An op given a batched tensor as a keyword-only argument (``searchsorted``'s
-        ``sorter``, ``segment_reduce``'s ``lengths``): its own rule if that takes the
-        keywords' batch dims, else the per-example loop, which takes them apart too."""
-        phys, dims, grad = unwrap_args(cls, args)
-        names = list(kwargs)
-        kw_phys, kw_dims, kw_grad = unwrap_args(cls, tuple(kwargs.values()))
-        if not rule.keyword_dims:
-            rule = Resolved(How.LOOP, loop_rule, inplace=rule.inplace, view=rule.view)
-        out, out_dims = self._apply(rule, grad or kw_grad, func, phys, dims,
-                                    dict(zip(names, kw_phys)), dict(zip(names, kw_dims)))
+                out, out_dims = self._apply(rule, func, phys, dims, kwargs)
+        else:
+            with preserved_dispatch_keys():
+                lazy_bits_on()
+                out, out_dims = self._apply(rule, func, phys, dims, kwargs)
         return wrap_outputs(cls, func, rule.inplace, args, out, out_dims)
+
+    def _apply(self, rule, func, phys, dims, kwargs):
+        if rule.takes_level:
+            return rule.fn(self, func, phys, dims, kwargs)
+        return rule.fn(func, phys, dims, kwargs)
 
     def composite(self, cls, func, rule, args, kwargs):
         """Apply a composite op's rule (see batching/composite.py), or let it decompose."""
@@ -188,6 +180,22 @@ class BatchLevel(Level):
         if result is NotImplemented:
             return func.decompose(*args, **kwargs)
         return wrap_outputs(cls, func, False, args, *result)
+
+
+def _batched_keywords(cls, rule: Resolved, kwargs: dict) -> tuple[Resolved, dict, dict, bool]:
+    """For an op given a batched tensor as a keyword-only argument (``searchsorted``'s
+    ``sorter``, ``segment_reduce``'s ``lengths``): the rule to run, the physical keyword
+    arguments, their batch dims by name, and whether one needs grad outside. The rule is
+    the op's own if it takes the keywords' batch dims, else the per-example loop, which
+    takes them apart too."""
+    phys, dims, grad = unwrap_args(cls, tuple(kwargs.values()))
+    kw_dims = dict(zip(kwargs, dims))
+    if rule.keyword_dims:
+        rule = dataclasses.replace(rule, fn=functools.partial(rule.fn, kw_dims=kw_dims))
+    else:
+        rule = Resolved(How.LOOP, functools.partial(loop_rule, kw_dims=kw_dims),
+                        inplace=rule.inplace, view=rule.view)
+    return rule, dict(zip(kwargs, phys)), kw_dims, grad
 
 
 @functools.cache

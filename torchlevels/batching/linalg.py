@@ -88,6 +88,12 @@ leading_batch_dims(
 leading_batch_dims(aten.cholesky_solve.default, aten.linalg_solve_triangular.default,
                    cores=(2, 2))
 leading_batch_dims(aten.linalg_pinv.rcond_tensor, cores=(2, 0))
+# Several inputs, outputs that need the full batch or inputs that need equal batch shapes.
+leading_batch_dims(aten.triangular_solve.default, cores=(2, 2), equal=True)
+leading_batch_dims(aten.linalg_householder_product.default, cores=(2, 1), equal=True)
+leading_batch_dims(aten.ormqr.default, cores=(2, 1, 2), equal=True)
+leading_batch_dims(aten.lu_unpack.default, cores=(2, 1), equal=True)
+leading_batch_dims(aten._cdist_forward.default, cores=(2, 2), equal=True)
 
 
 @register(aten.linalg_pinv.atol_rtol_tensor, keyword_dims=True)
@@ -105,12 +111,6 @@ def pinv_tolerances(func, args, dims, kwargs, kw_dims=None):
     kwargs = {**kwargs, **{k: pad_to_rank(materialize(v, kw_dims.get(k), size), rank)
                            for k, v in tolerances.items()}}
     return func(matrices, *args[1:], **kwargs), 0
-# Several inputs, outputs that need the full batch or inputs that need equal batch shapes.
-leading_batch_dims(aten.triangular_solve.default, cores=(2, 2), equal=True)
-leading_batch_dims(aten.linalg_householder_product.default, cores=(2, 1), equal=True)
-leading_batch_dims(aten.ormqr.default, cores=(2, 1, 2), equal=True)
-leading_batch_dims(aten.lu_unpack.default, cores=(2, 1), equal=True)
-leading_batch_dims(aten._cdist_forward.default, cores=(2, 2), equal=True)
 
 
 @register(aten.linalg_lu_solve.default, aten.linalg_ldl_solve.default)

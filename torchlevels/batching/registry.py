@@ -48,7 +48,7 @@ class Resolved:
     takes_level: bool = False  # fn(level, func, args, dims, kwargs): needs the level's state
     inplace: bool = False  # func writes its first argument and returns it (add_, copy_...)
     view: bool = False  # func returns a view of an argument (select, slice, t...)
-    # fn(func, args, dims, kwargs, kw_dims) takes batched keyword-only tensors (sorter=)
+    # fn(func, args, dims, kwargs, kw_dims=...) takes batched keyword-only tensors (sorter=)
     keyword_dims: bool = False
 
 
@@ -68,9 +68,9 @@ def register(
     With ``takes_level=True`` the rule is called as ``rule(level, func, args, dims, kwargs)``
     (for rules that depend on the level's state, such as its randomness). With
     ``keyword_dims=True`` it also batches keyword-only tensors (``searchsorted``'s
-    ``sorter``): when one is batched it is called with a fifth argument, the batch dims
-    of the keyword arguments by name (``None`` for unbatched ones); a call with none
-    batched omits it. A rule without it leaves such calls to the per-example loop.
+    ``sorter``): when one is batched it is called with ``kw_dims=``, the batch dims of
+    the keyword arguments by name (``None`` for unbatched ones); a call with none batched
+    omits it. A rule without it leaves such calls to the per-example loop.
 
     Example::
 
@@ -409,10 +409,13 @@ def loop_rule(func: OpOverload, args: tuple, dims: tuple, kwargs: dict,
             dims[k] is None and isinstance(args[k], torch.Tensor)
             for k in written_positions(func) if k < len(args)):
         raise_inplace_unbatched_self(func)
+    kw_dims = kw_dims or {}
     if func not in _warned:
         _warned.add(func)
-        warnings.warn(f"no batching rule for {func}; using a slow loop", stacklevel=2)
-    kw_dims = kw_dims or {}
+        batched_keywords = [k for k, d in kw_dims.items() if d is not None]
+        which = (f" with batched keyword-only arguments {batched_keywords}"
+                 if batched_keywords else "")
+        warnings.warn(f"no batching rule for {func}{which}; using a slow loop", stacklevel=2)
     size = batch_size((*args, *kwargs.values()), (*dims, *map(kw_dims.get, kwargs)))
     if size == 0:
         try:
