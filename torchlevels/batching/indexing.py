@@ -481,7 +481,7 @@ def searchsorted(func, args, dims, kwargs, kw_dims=None):
     """Search batched values in shared boundaries directly; batched boundaries, or shared
     ones each example sorts with its own ``sorter``, go per row."""
     sorter_dim = (kw_dims or {}).get("sorter")
-    size = batch_size((*args, kwargs.get("sorter")), (*dims, sorter_dim))
+    size = batch_size(args, dims, kwargs, kw_dims)
     if func is aten.bucketize.Tensor:  # bucketize(values, boundaries) = searchsorted(b, v)
         (values, boundaries), (vd, bd), rest = args[:2], dims[:2], args[2:]
         out_int32, right = (list(rest) + [kwargs.get("out_int32", False),

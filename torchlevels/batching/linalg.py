@@ -98,19 +98,17 @@ leading_batch_dims(aten._cdist_forward.default, cores=(2, 2), equal=True)
 
 @register(aten.linalg_pinv.atol_rtol_tensor, keyword_dims=True)
 def pinv_tolerances(func, args, dims, kwargs, kw_dims=None):
-    """``pinv`` whose ``atol``/``rtol`` tensors broadcast against the matrices' batch
-    shape: all batched first, with size-1 dims after the batch dim up to one batch rank."""
-    if not kw_dims:
-        return batch_first(func, args, dims, kwargs, (2,))
-    check_ranks(func, args, dims, (2,), {})
-    size = batch_size((*args, *kwargs.values()), (*dims, *map(kw_dims.get, kwargs)))
-    tolerances = {k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
-    rank = max(logical_rank(args[0], dims[0]) - 2,
-               *(logical_rank(v, kw_dims.get(k)) for k, v in tolerances.items()))
-    matrices = pad_to_rank(materialize(args[0], dims[0], size), rank + 2)
-    kwargs = {**kwargs, **{k: pad_to_rank(materialize(v, kw_dims.get(k), size), rank)
-                           for k, v in tolerances.items()}}
-    return func(matrices, *args[1:], **kwargs), 0
+    """``pinv`` whose keyword-only ``atol``/``rtol`` tensors broadcast against the
+    matrices' batch shape: :func:`batch_first` with them as arguments of core rank 0."""
+    kw_dims = kw_dims or {}
+    names = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
+    options = {k: v for k, v in kwargs.items() if k not in names}
+
+    def call(matrices, *tolerances):
+        return func(matrices, **options, **dict(zip(names, tolerances)))
+
+    return batch_first(call, (args[0], *(kwargs[k] for k in names)),
+                       (dims[0], *map(kw_dims.get, names)), {}, (2, *[0] * len(names)))
 
 
 @register(aten.linalg_lu_solve.default, aten.linalg_ldl_solve.default)

@@ -164,8 +164,8 @@ def segment_reduce(func, args, dims, kwargs, kw_dims=None):
     """Each example's segments, by its own ``lengths`` or ``offsets`` or by shared ones:
     the batch becomes the first dim of the data and of the lengths (whose last dim is the
     reduction's axis, as PyTorch requires), and the axis moves one along."""
+    size = batch_size(args, dims, kwargs, kw_dims)
     kw_dims = kw_dims or {}
-    size = batch_size((*args, *kwargs.values()), (*dims, *map(kw_dims.get, kwargs)))
     phys = [materialize(a, d, size) if isinstance(a, torch.Tensor) else a
             for a, d in zip(args, dims)]
     data = phys[0] if func is aten.segment_reduce.default else phys[2]  # backward: grad, out

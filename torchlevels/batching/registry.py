@@ -416,7 +416,7 @@ def loop_rule(func: OpOverload, args: tuple, dims: tuple, kwargs: dict,
         which = (f" with batched keyword-only arguments {batched_keywords}"
                  if batched_keywords else "")
         warnings.warn(f"no batching rule for {func}{which}; using a slow loop", stacklevel=2)
-    size = batch_size((*args, *kwargs.values()), (*dims, *map(kw_dims.get, kwargs)))
+    size = batch_size(args, dims, kwargs, kw_dims)
     if size == 0:
         try:
             return no_examples(func, args, dims, kwargs, kw_dims)
@@ -494,8 +494,12 @@ def _select(arg: Any, dim: Any, index: int, contiguous: bool) -> Any:
     return row.contiguous() if contiguous else row
 
 
-def batch_size(args: Iterable, dims: Iterable) -> int:
-    """The batch size, read off the first batched tensor in ``args``."""
+def batch_size(args: Iterable, dims: Iterable, kwargs: dict | None = None,
+               kw_dims: dict | None = None) -> int:
+    """The batch size, read off the first batched tensor in ``args``, or in ``kwargs``
+    when ``kw_dims`` (their batch dims by name) says one of those is batched."""
+    if kw_dims:
+        args, dims = (*args, *kwargs.values()), (*dims, *map(kw_dims.get, kwargs))
     for a, d in zip(args, dims):
         if isinstance(d, int):
             return a.shape[d]
