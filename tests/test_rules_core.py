@@ -7,10 +7,16 @@ several in_dims, and must not fall back to the slow per-example loop.
 import pytest
 import torch
 from torch.func import vmap as func_vmap
-from vmap_reference import check_vmap, loop_reference, vmap_without_slow_loop
+from vmap_reference import (
+    check_vmap,
+    counting_dispatches,
+    loop_reference,
+    vmap_without_slow_loop,
+)
 
 import torchlevels
 from torchlevels import vmap
+from torchlevels.vmap import BatchLevel
 
 aten = torch.ops.aten
 
@@ -291,6 +297,35 @@ def test_pointwise(name):
         args = [torch.randn(s) for s in shapes]
         args = [a if d is not None else a[0] for a, d in zip(args, dims)]
         check_vmap(f, *args, in_dims=dims, warnings_are_errors=True)
+
+
+UNTAGGED_ELEMENTWISE = {  # aten ops PyTorch does not tag pointwise, each called on x and y
+    "hardswish": (aten.hardswish.default, lambda x, y: aten.hardswish.default(x * 3 - y)),
+    "hardswish_": (aten.hardswish_.default, lambda x, y: aten.hardswish_.default(x * 3 - y)),
+    "floor_divide": (aten.floor_divide.default, lambda x, y: aten.floor_divide.default(x * 9, y)),
+    "floor_divide.Scalar": (aten.floor_divide.Scalar,
+                            lambda x, y: aten.floor_divide.Scalar(x * 9 - y, 2)),
+    "floor_divide_": (aten.floor_divide_.Tensor,
+                      lambda x, y: aten.floor_divide_.Tensor(x * 9 + y, y)),
+    "floor_divide_.Scalar": (aten.floor_divide_.Scalar,
+                             lambda x, y: aten.floor_divide_.Scalar(x * 9 + y, 2)),
+    "rsub": (aten.rsub.Tensor, lambda x, y: aten.rsub.Tensor(x, y, alpha=2)),
+    "fill": (aten.fill.Scalar, lambda x, y: aten.fill.Scalar(x + y, 2.5)),
+}
+
+
+@pytest.mark.parametrize("name", UNTAGGED_ELEMENTWISE)
+def test_untagged_elementwise_ops_batch_in_one_call(name):
+    """Batched as pointwise ops, in one call where their decompositions dispatch several:
+    either operand batched, at any dim, one of lower rank broadcasting."""
+    op, f = UNTAGGED_ELEMENTWISE[name]
+    x, y = torch.rand(3, 4, 5), torch.rand(3, 4, 5) + 0.5
+    for args, dims in [((x, y), (0, 0)), ((x, y[0, 0]), (0, None)),
+                       ((x[0], y.permute(1, 2, 0)), (None, 2)),
+                       ((x.transpose(0, 1), y[:, :, :1]), (1, 0))]:
+        with counting_dispatches(BatchLevel) as calls:
+            check_vmap(f, *args, in_dims=dims, warnings_are_errors=True)
+        assert calls.count(op) == 1 and len(calls) <= 2, (dims, calls)  # and x * 3 or so
 
 
 def test_pointwise_mixed_dtypes_and_int_tensors():

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.func as ft
 import torch.nn.functional as F
 from torch.utils._pytree import tree_flatten
-from vmap_reference import check_vmap, vmap_without_slow_loop
+from vmap_reference import check_vmap, counting_dispatches, vmap_without_slow_loop
 
+import torchlevels as tl
 from torchlevels import grad, vmap
+from torchlevels.vmap import BatchLevel
 
 aten = torch.ops.aten
 B = 3
@@ -926,6 +929,62 @@ def test_loss_backward_decompositions(reduction):
     if reduction == 0:
         check(lambda go, p, q: aten.binary_cross_entropy_backward(go, p, q, None, reduction),
               go5, p, q)
+
+
+LOSS_BACKWARDS = {  # the op, and its arguments after (grad_output, self, target, reduction)
+    "mse": (aten.mse_loss_backward, ()),
+    "huber": (aten.huber_loss_backward, (0.7,)),
+    "smooth_l1": (aten.smooth_l1_loss_backward, (0.3,)),
+    "soft_margin": (aten.soft_margin_loss_backward, ()),
+    "binary_cross_entropy": (aten.binary_cross_entropy_backward, ()),
+}
+
+
+@pytest.mark.parametrize("reduction", [0, 1, 2])
+@pytest.mark.parametrize("name", list(LOSS_BACKWARDS))
+@pytest.mark.parametrize("dims", [(0, 0, 0), (0, None, None), (None, 1, None), (None, None, 1),
+                                  (None, 0, 1), (0, 1, None)])
+def test_elementwise_loss_backward_in_one_kernel(name, reduction, dims):
+    """Its own rule runs the kernel once on the batch, whichever of grad_output, self and
+    target are batched: a mean becomes a sum of grad_output over one example's elements
+    (the decompositions it replaces dispatched eight ops)."""
+    op, rest = LOSS_BACKWARDS[name]
+    shapes = ((4, 5) if reduction == 0 else (), (4, 5), (4, 5))
+    args = [(torch.rand(s[:d] + (B,) + s[d:], dtype=torch.float64) if d is not None
+             else torch.rand(s, dtype=torch.float64)) * 0.8 + 0.1  # probabilities, for bce
+            for s, d in zip(shapes, dims)]
+
+    def f(go, x, t):
+        if op is aten.binary_cross_entropy_backward:
+            return op(go, x, t, None, reduction)
+        return op(go, x, t, reduction, *rest)
+
+    with counting_dispatches(BatchLevel) as calls:
+        check(f, *args, in_dims=dims)
+    assert calls == [op.default], calls
+
+
+def _second_derivatives(lib, loss, x, t):
+    """Per-example Hessians, and the gradient of the per-example gradients' squares: reverse
+    over reverse (PyTorch has no forward formula for some of these backwards)."""
+    return (lib.vmap(lib.jacrev(lib.grad(loss)))(x, t),
+            lib.grad(lambda x, t: lib.vmap(lib.grad(loss))(x, t).pow(2).sum())(x, t))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("name", list(ELEMENTWISE_LOSSES) + ["binary_cross_entropy"])
+def test_elementwise_loss_second_derivatives(name, reduction):
+    """Through the backward's rule: the native op's own derivative formulas."""
+    if name == "binary_cross_entropy":
+        w = torch.rand(5, dtype=torch.float64)
+        f = lambda x, t, reduction: F.binary_cross_entropy(  # noqa: E731
+            x.sigmoid(), t.sigmoid(), w, reduction=reduction)
+    else:
+        f = ELEMENTWISE_LOSSES[name]
+    x, t = torch.randn(B, 4, 5, dtype=torch.float64), torch.randn(B, 4, 5, dtype=torch.float64)
+    loss = lambda x, t: f(x, t, reduction=reduction) * 3  # noqa: E731
+    torch.testing.assert_close(_second_derivatives(tl, loss, x, t),
+                               _second_derivatives(ft, loss, x, t))
 
 
 @pytest.mark.parametrize("reduction", [1, 2])

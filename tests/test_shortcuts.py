@@ -1,6 +1,9 @@
 """vmap's shortcuts (batching/shortcuts.py): each call taken or declined as designed, and
 every result equal to torch.func.vmap's on the same inputs."""
 
+import functools
+import inspect
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -10,9 +13,15 @@ from vmap_reference import counting_dispatches
 
 import torchlevels
 from torchlevels import EscapedTensorError, vmap
+from torchlevels.autodiff import GradLevel
 from torchlevels.batching import registry, shortcuts
 from torchlevels.batching.pointwise import pointwise_rule
-from torchlevels.batching.shortcuts import POINTWISE_DUNDERS, POINTWISE_NAMES, SHORTCUTS
+from torchlevels.batching.shortcuts import (
+    ACTIVATIONS,
+    POINTWISE_DUNDERS,
+    POINTWISE_NAMES,
+    SHORTCUTS,
+)
 from torchlevels.vmap import BatchLevel
 
 assert_close = torch.testing.assert_close
@@ -56,6 +65,31 @@ def test_every_pointwise_shortcut_is_elementwise(func):
     if len(xs) > 1:  # a second operand unbatched, of lower rank: still one physical call
         same(func, xs[0], xs[1][0, :1].clone(), *xs[2:], in_dims=(0, None, *[0] * (len(xs) - 2)),
              shortcut=True)
+
+
+def _in_place_capable(func) -> bool:
+    try:
+        return "inplace" in inspect.signature(func).parameters
+    except ValueError:  # a builtin: none of them takes inplace
+        return False
+
+
+@pytest.mark.parametrize("func", ACTIVATIONS, ids=lambda f: f.__name__)
+def test_every_activation_shortcut_is_elementwise(func):
+    """Each activation, run on the physical batch, is vmap's answer; and under vmap(grad),
+    the grad level's shortcut runs it on the inner tensors (no op reaches its dispatch)."""
+    act = functools.partial(func, threshold=0.1, value=20.0) if func is F.threshold else func
+    xs = torch.randn(4, 3, 5) * 3
+    same(act, xs, shortcut=True)
+    same(lambda x: act(x.t()), xs, shortcut=True)
+    same(act, xs, in_dims=1, shortcut=False)  # the batch dim not first: the usual way
+    loss = lambda x: act(x).pow(2).sum()  # noqa: E731
+    with counting_dispatches(GradLevel) as calls:
+        ours = vmap(torchlevels.grad(loss))(xs)
+    assert_close(ours, func_vmap(torch.func.grad(loss))(xs))
+    assert not calls, calls
+    if _in_place_capable(func):  # asked to work in place: declined
+        same(lambda x: act(x.clone(), inplace=True), xs, shortcut=False)
 
 
 x4, y4 = torch.randn(4, 5), torch.randn(4, 5)

@@ -5,13 +5,15 @@ Most of these ops already take a leading N (batch) dim, so the vmap batch folds 
 unfolds. A batched weight is handled by moving the batch into the channel dim and using
 groups (convolution) or per-channel statistics (batch norm), as functorch does.
 
-Declared nothing for (their ``torch._decomp`` decompositions batch with no loop): the
-backwards of mse_loss and binary_cross_entropy(_with_logits). The norms' backwards have
-rules, although theirs batch too: they round every step in 16-bit floats, and run as a
-dozen ops where the rule runs the kernel once.
+The backwards of the norms and of the elementwise losses have rules, although their
+``torch._decomp`` decompositions batch too: those round every step in 16-bit floats, and
+run as several ops (a dozen for a norm, eight for ``mse_loss``) where the rule runs the
+kernel once. ``binary_cross_entropy_with_logits`` has no backward op of its own.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch._decomp.decompositions_for_jvp import recompute_mean_var
@@ -728,6 +730,37 @@ def elementwise_loss(func, args, dims, kwargs):
     if reduction == 0:
         return loss, 0
     return per_example(loss, mean=reduction == 1), 0
+
+
+@register(aten.mse_loss_backward.default, aten.huber_loss_backward.default,
+          aten.smooth_l1_loss_backward.default, aten.soft_margin_loss_backward.default,
+          aten.binary_cross_entropy_backward.default)
+def elementwise_loss_backward(func, args, dims, kwargs):
+    """The backward of :func:`elementwise_loss`, natively on the batch: a mean becomes a
+    sum whose grad_output is divided by one example's number of elements. One kernel
+    where the decompositions dispatch eight ops, and the native op brings its own
+    double-backward formula for an enclosing grad level."""
+    bound = bound_arguments(func, args, kwargs)
+    names = [a.name for a in func._schema.arguments]
+    in_dims = dict(zip(names, dims))
+    size = batch_size(args, dims)
+    grad, grad_dim = bound.pop("grad_output"), in_dims["grad_output"]
+    self_dim = in_dims["self"]
+    rank = logical_rank(bound["self"], self_dim)
+    shape = (size, *logical_shape(bound["self"], self_dim))
+    bound["self"] = materialize(bound["self"], self_dim, size)  # the kernel's output shape
+    for n in ("target", "weight"):  # batched: lined up with self; else broadcast as they are
+        if in_dims.get(n) is not None:
+            bound[n] = pad_to_rank(to_front(bound[n], in_dims[n]), rank)
+    if bound["reduction"] == 1:  # the kernel would divide by the whole batch's elements
+        grad = grad / math.prod(shape[1:])
+        bound["reduction"] = 2
+    if grad_dim is not None:  # each example's 0-dim grad_output, or one of self's shape
+        grad = (pad_to_rank(to_front(grad, grad_dim), rank) if bound["reduction"] == 0
+                else grad.view(size, *[1] * rank))
+    if grad.dim():  # binary_cross_entropy_backward takes a dimensioned grad of full shape
+        grad = grad.expand(shape)
+    return func(grad, **bound), 0
 
 
 # -- elementwise backward ops ----------------------------------------------------------------

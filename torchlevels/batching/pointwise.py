@@ -1,4 +1,5 @@
-"""The pointwise family: every op tagged ``torch.Tag.pointwise``, plus copy_ and the *_like ops.
+"""The pointwise family: every op tagged ``torch.Tag.pointwise``, plus copy_, the *_like ops and
+a few elementwise ops PyTorch leaves untagged (hardswish, floor_divide, rsub, fill).
 
 Batch dims go first and batched tensors get size-1 dims after the batch dim so that
 logical shapes broadcast as they would unbatched. In-place ops write into the batched
@@ -123,6 +124,10 @@ def _is_pointwise(func) -> bool:
 
 register_family("pointwise", _is_pointwise, pointwise_rule)
 register(aten.copy_.default, aten.complex, aten.polar)(pointwise_rule)
+# elementwise ops PyTorch leaves untagged, which would otherwise decompose into several
+register(aten.hardswish.default, aten.hardswish_.default, aten.floor_divide.default,
+         aten.floor_divide.Scalar, aten.floor_divide_.Tensor, aten.floor_divide_.Scalar,
+         aten.rsub.Tensor, aten.fill.Scalar)(pointwise_rule)
 
 
 @register(aten.fill_.Scalar, aten.fill_.Tensor, aten.zero_.default)

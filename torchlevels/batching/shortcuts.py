@@ -835,7 +835,9 @@ POINTWISE_DUNDERS = [
     "__lt__", "__le__", "__gt__", "__ge__", "__and__", "__or__", "__xor__", "__invert__",
     "__floordiv__", "__mod__",
 ]
-ACTIVATIONS = (F.relu, F.silu, F.gelu, F.leaky_relu, F.elu, F.softplus, F.mish, F.hardtanh)
+ACTIVATIONS = (F.relu, F.silu, F.gelu, F.leaky_relu, F.elu, F.softplus, F.mish, F.hardtanh,
+               F.relu6, F.hardswish, F.hardsigmoid, F.selu, F.celu, F.softsign, F.tanhshrink,
+               F.logsigmoid, F.hardshrink, F.softshrink, F.threshold)
 
 _declare(pointwise, *(getattr(torch, n) for n in POINTWISE_NAMES))
 _declare(pointwise, *(getattr(torch.Tensor, n) for n in POINTWISE_NAMES + POINTWISE_DUNDERS))
