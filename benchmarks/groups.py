@@ -434,30 +434,33 @@ def inductor_group() -> list[Benchmark]:
     return out
 
 
-def _per_sample_loss(lib, model: nn.Module) -> Callable:
-    """The cross-entropy loss of one example, as a function of the parameter dict."""
+def _per_sample_loss(lib, model: nn.Module, loss_fn: Callable = F.cross_entropy
+                     ) -> Callable:
+    """The loss of one example (cross-entropy unless given), as a function of the
+    parameter dict."""
 
     def loss(params, x, y):
         out = lib.functional_call(model, params, (x.unsqueeze(0),))
-        return F.cross_entropy(out, y.unsqueeze(0))
+        return loss_fn(out, y.unsqueeze(0))
 
     return loss
 
 
-def _loop_per_sample_grads(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Callable:
+def _loop_per_sample_grads(model: nn.Module, x: torch.Tensor, y: torch.Tensor,
+                           loss_fn: Callable) -> Callable:
     """The Python-loop baseline: one forward and ``torch.autograd.grad`` per example."""
     names, params = zip(*model.named_parameters())
 
     def run():
-        rows = [torch.autograd.grad(F.cross_entropy(model(x[i:i + 1]), y[i:i + 1]), params)
+        rows = [torch.autograd.grad(loss_fn(model(x[i:i + 1]), y[i:i + 1]), params)
                 for i in range(x.shape[0])]
         return {n: torch.stack(g) for n, g in zip(names, zip(*rows))}
 
     return run
 
 
-def _opacus_per_sample_grads(model: nn.Module, x: torch.Tensor, y: torch.Tensor
-                             ) -> Callable | None:
+def _opacus_per_sample_grads(model: nn.Module, x: torch.Tensor, y: torch.Tensor,
+                             loss_fn: Callable) -> Callable | None:
     """Opacus' per-sample gradients (``None`` when opacus is not installed)."""
     try:
         from opacus import GradSampleModule
@@ -468,26 +471,29 @@ def _opacus_per_sample_grads(model: nn.Module, x: torch.Tensor, y: torch.Tensor
 
     def run():
         gsm.zero_grad(set_to_none=True)  # clears .grad_sample too
-        F.cross_entropy(gsm(x), y, reduction="sum").backward()
+        # the sum of each example's loss: a mean over one example's outputs stays one
+        loss_fn(gsm(x), y, reduction="none").reshape(len(x), -1).mean(1).sum().backward()
         return {n: p.grad_sample for n, p in named}
 
     return run
 
 
-def _per_sample_benchmark(name: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor
-                          ) -> Benchmark:
+def _per_sample_benchmark(name: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor,
+                          loss_fn: Callable = F.cross_entropy,
+                          target: float | None = AUTODIFF_TARGET) -> Benchmark:
     """``vmap(grad(loss), in_dims=(None, 0, 0))`` over ``model``'s parameters, with the
     Python-loop and Opacus references, each on its own copy of the model (Opacus adds
     hooks and attributes to the parameters it wraps)."""
     params = {k: v.detach() for k, v in model.named_parameters()}
-    refs = {LOOP: _loop_per_sample_grads(copy.deepcopy(model), x, y)}
-    opacus = _opacus_per_sample_grads(copy.deepcopy(model), x, y)
+    refs = {LOOP: _loop_per_sample_grads(copy.deepcopy(model), x, y, loss_fn)}
+    opacus = _opacus_per_sample_grads(copy.deepcopy(model), x, y, loss_fn)
     if opacus is not None:
         refs[OPACUS] = opacus
     return _autodiff(
         name,
-        lambda lib: lib.vmap(lib.grad(_per_sample_loss(lib, model)), in_dims=(None, 0, 0)),
-        (params, x, y), refs,
+        lambda lib: lib.vmap(lib.grad(_per_sample_loss(lib, model, loss_fn)),
+                             in_dims=(None, 0, 0)),
+        (params, x, y), refs, target,
     )
 
 
@@ -533,6 +539,19 @@ def norm_grad_group() -> list[Benchmark]:
                               mlp, x, y),
         _per_sample_benchmark("per-sample grads, group-norm CNN, batch 32", cnn, images,
                               labels),
+    ]
+
+
+def regression_grad_group() -> list[Benchmark]:
+    """(e'') per-sample gradients of a small regression MLP: the overhead-bound regime."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Hardswish(), nn.Linear(32, 32),
+                          nn.Hardswish(), nn.Linear(32, 4))
+    x, y = torch.randn(64, 16), torch.randn(64, 4)
+    return [
+        _per_sample_benchmark(f"per-sample grads, MLP 16-32-32-4, {name} loss, batch 64",
+                              model, x, y, loss_fn, target=None)
+        for name, loss_fn in (("MSE", F.mse_loss), ("Huber", F.huber_loss))
     ]
 
 
@@ -888,6 +907,16 @@ GROUPS: dict[str, Group] = {
         "(torchlevels/batching/nn.py). References: the Python loop and Opacus. "
         "Target: ratio <= 1.2.",
         norm_grad_group,
+    ),
+    "regression_grad": Group(
+        "Small-model per-sample gradients",
+        "Per-sample gradients, as for the MLP, of a small regression MLP (linear 16->32, "
+        "Hardswish, linear 32->32, Hardswish, linear 32->4) under the mean squared error "
+        "and the Huber loss, batch 64: about 40 small ops per call, so the cost of each op "
+        "passing the levels in Python dominates, as in the grad overhead group. The "
+        "losses' backwards and Hardswish have batching rules of their own. References: the "
+        "Python loop and Opacus. No target.",
+        regression_grad_group,
     ),
     "hessian": Group(
         "Batched Hessians",
