@@ -232,6 +232,70 @@ def test_grad_of_jvp_perturbation_confusion():
     torch.testing.assert_close(outer(tl), outer(ft))
 
 
+# Nested forward mode where the inner level's primal is constant to the outer level (a
+# plain tensor) and the inner function uses a captured tensor of the outer level: the
+# inner level's duals reach the outer level's ops as plain tensors carrying the inner
+# tangent (PyTorch has one forward-AD level, which the two share)
+_V = torch.linspace(-1, 1, N, dtype=DTYPE)
+NESTED_FORWARD = {
+    "jvp of the primal of a jvp": lambda lib: lib.jvp(
+        lambda a: lib.jvp(lambda b: a + b * b, (_scalar(2.0),), (_scalar(1.0),))[0],
+        (_scalar(3.0),), (_scalar(1.0),)),
+    "jvp of both outputs of a jvp": lambda lib: lib.jvp(
+        lambda a: lib.jvp(lambda b: (a * b).sin(), (_V.exp(),), (_V.cos(),)),
+        (_V,), (torch.full_like(_V, 0.5),)),
+    "a tangent of the outer level as the inner tangent": lambda lib: lib.jvp(
+        lambda a: lib.jvp(lambda b: a * b, (_scalar(2.0),), (a,)),
+        (_scalar(3.0),), (_scalar(1.0),)),
+    "jacfwd of a jvp": lambda lib: lib.jacfwd(
+        lambda a: lib.jvp(lambda b: a * b.sin(), (_V.exp(),), (_V,))[0])(_V),
+    "mixed partials by jacfwd of jacfwd": lambda lib: lib.jacfwd(
+        lib.jacfwd(lambda a, b: a * b * b, argnums=1), argnums=0)(_V, _V.exp()),
+    "jacfwd of a jacfwd of a captured tensor": lambda lib: lib.jacfwd(
+        lambda a: lib.jacfwd(lambda b: (a * b).sin())(_V.exp()))(_V),
+    "vmap of jvp of jvp": lambda lib: lib.vmap(lambda a: lib.jvp(
+        lambda c: lib.jvp(lambda b: c * b.sin(), (_V,), (_V.exp(),))[0],
+        (a,), (a.cos(),)))(torch.stack([_V, _V.flip(0)])),
+    "grad of jacfwd of jacfwd": lambda lib: lib.grad(
+        lambda w: lib.jacfwd(lib.jacfwd(lambda z: w * z**3))(_scalar(3.0)))(_scalar(2.0)),
+    "jvp of grad of jvp": lambda lib: lib.jvp(lib.grad(
+        lambda a: lib.jvp(lambda b: a * b * b, (_scalar(2.0),), (_scalar(1.0),))[0]),
+        (_scalar(3.0),), (_scalar(1.0),)),
+}
+
+
+@pytest.mark.parametrize("case", NESTED_FORWARD)
+def test_nested_forward_mode_keeps_the_inner_tangent_out_of_the_outer_one(case):
+    ours, ref = NESTED_FORWARD[case](tl), NESTED_FORWARD[case](ft)
+    torch.testing.assert_close(ours, ref)
+    for t in torch.utils._pytree.tree_leaves(ours):
+        assert type(t) is torch.Tensor  # no tensor of an exited level comes out
+
+
+class _CubeWithJvp(torch.autograd.Function):
+    @staticmethod
+    def forward(x):
+        return x**3
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_forward(inputs[0])
+
+    @staticmethod
+    def jvp(ctx, t):
+        (x,) = ctx.saved_tensors
+        return 3 * x**2 * t
+
+
+def test_nested_forward_mode_through_a_custom_function_with_a_jvp():
+    def outer(lib):
+        return lib.jvp(lambda a: lib.jvp(lambda b: a * _CubeWithJvp.apply(b),
+                                         (_scalar(2.0),), (_scalar(1.0),)),
+                       (_scalar(3.0),), (_scalar(1.0),))
+
+    torch.testing.assert_close(outer(tl), outer(ft))
+
+
 def test_vjp_over_jvp_and_jvp_over_vjp_with_values():
     # both outputs (primal and derivative) of the outer transform, not only the derivative
     f = FUNCTIONS["softmax_logsumexp"]

@@ -193,6 +193,13 @@ class GradLevel(Level):
             return decomposed[1](*args, **kwargs)
         inner_args = [unwrap_own(a, cls) for a in args]
         inner_kwargs = {k: unwrap_own(v, cls) for k, v in kwargs.items()} if kwargs else {}
+        if _shapes_only(args):
+            # meta copies, made by PyTorch to learn an output's shape: no derivative
+            out = func(*inner_args, **inner_kwargs)
+            if writes_first_argument(func) and type(args[0]) is cls:
+                follow_inner(args[0])
+                return args[0]
+            return wrap_all(cls, out)
         inplace = writes_first_argument(func)
         if inplace and type(args[0]) is not cls:
             _raise_captured_inplace(func, self.kind)
@@ -455,6 +462,9 @@ class JvpLevel(Level):
     def __init__(self, name: str = "jvp") -> None:
         super().__init__()
         self.kind = name
+        # whether a jvp level was entered inside this one: its duals, which share PyTorch's
+        # one forward-AD level with ours, may reach our ops (see _without_tangent)
+        self.hosts_jvp = False
 
     def wrap(self, cls, primal: torch.Tensor, tangent: torch.Tensor) -> torch.Tensor:
         """``J(primal, tangent)``: a tensor of this level."""
@@ -513,9 +523,10 @@ class JvpLevel(Level):
 
     def _on_duals(self, cls, func, args, kwargs, inplace: bool, level: int):
         """``func`` run on forward AD's dual tensors of ``args``."""
+        nested = self.hosts_jvp
         with autograd_on():
-            dual_args = [_to_dual(a, cls, level) for a in args]
-            dual_kwargs = {k: _to_dual(v, cls, level) for k, v in kwargs.items()}
+            dual_args = [_to_dual(a, cls, level, nested) for a in args]
+            dual_kwargs = {k: _to_dual(v, cls, level, nested) for k, v in kwargs.items()}
             out = call_recorded(func, dual_args, dual_kwargs)
             if is_custom_op(func):
                 _refuse_custom_op(cls, func, args, dual_args[0] if inplace else out, level)
@@ -694,14 +705,32 @@ _new_zeros_with_same_feature_meta = torch.ops.aten._new_zeros_with_same_feature_
 fwAD._maybe_load_decompositions()
 
 
-def _to_dual(a: Any, cls, level: int) -> Any:
+def _to_dual(a: Any, cls, level: int, nested: bool = False) -> Any:
+    """Argument ``a`` of an op at jvp level ``cls`` as forward AD's dual tensor, if it is
+    ours; with ``nested`` (a jvp level was entered inside ``cls``), any other tensor
+    without the tangent such a level gave it (see :func:`_without_tangent`)."""
     if type(a) is cls:
         if _view_tangent(a) is None:
             return a._inner
         return _make_dual(a._inner, a._tangent, level=level)
     if type(a) in (list, tuple):
-        return type(a)(_to_dual(t, cls, level) for t in a)
+        return type(a)(_to_dual(t, cls, level, nested) for t in a)
+    if nested and isinstance(a, torch.Tensor):
+        return _without_tangent(a, level)
     return a
+
+
+def _without_tangent(t: torch.Tensor, level: int) -> torch.Tensor:
+    """``t``'s primal, if it is a dual tensor of a jvp level nested inside the one running
+    an op. PyTorch has one forward-AD level, which nested jvp levels share: a level inside
+    makes duals of its own primals, and one made of a tensor that is constant to this
+    level (``jvp(lambda b: a + b * b, (two,), ...)`` with ``a`` of this level) reaches
+    this level's op as a plain tensor with that level's tangent, while the level is live
+    or later, saved in a grad level's graph. Its tangent is the inner level's to
+    propagate (forward AD did, above this level's dispatch), never this level's."""
+    primal, tangent = _unpack_dual(t, level=level)
+    return t if tangent is None else primal
+
 
 
 # Ops whose forward-AD formula plain autograd cannot differentiate again (softmax's writes
@@ -971,6 +1000,9 @@ def jvp_level(name: str = "jvp") -> Iterator[type[LevelTensor]]:
     """
     level = JvpLevel(name)
     cls = new_level_class(level, "DualTensor", classmethod(no_shortcuts), **_JVP_LEVEL_TENSOR)
+    for outer in autodiff_classes(cls.__base__):
+        if isinstance(outer._level, JvpLevel):
+            outer._level.hosts_jvp = True
     with (entered(cls), _inference_mode_off(), _dual_level(), predispatch.hook(),
           _no_fused_inference()):
         yield cls

@@ -175,7 +175,7 @@ def _grad_rule(G: type[LevelTensor], fn, args: tuple, kwargs: dict) -> Any:
 def _jvp_rule(J: type[LevelTensor], fn, args: tuple, kwargs: dict) -> Any:
     """Apply ``fn`` to dual tensors, so forward AD calls ``fn.jvp``."""
     with _dual_level() as dual_level:
-        duals = tuple(_to_dual(a, J, dual_level) for a in args)
+        duals = tuple(_to_dual(a, J, dual_level, J._level.hosts_jvp) for a in args)
         out = _one_level_out(fn, kwargs, copy_views=True).apply(*duals)
         return _keep_identity(out, duals, args, lambda o: _from_dual(J, o, dual_level))
 
