@@ -807,6 +807,29 @@ def test_nll_loss_ignore_index_and_label_smoothing(reduction):
 
 
 @pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("image", [False, True])
+def test_per_example_gradients_of_an_example_whose_targets_are_all_ignored(
+        reduction, weighted, image):
+    # padded token data: an all-padding example's mean loss is nan (0 / 0), as unbatched,
+    # but its gradient is zeros, as torch.func and autograd give, not nan
+    shape = (B, 4, 5, 2, 2) if image else (B, 4, 5)
+    x, t = torch.randn(shape), torch.randint(0, 5, (B, 4, 2, 2) if image else (B, 4))
+    t[1] = -100
+    t[2, 0] = -100
+    w = torch.rand(5) if weighted else None
+
+    def loss(x, t):
+        return F.cross_entropy(x, t, weight=w, reduction=reduction).sum()
+
+    ours = vmap_without_slow_loop(tl.grad(loss), x, t)
+    torch.testing.assert_close(ours, ft.vmap(ft.grad(loss))(x, t))
+    want = torch.stack([torch.func.grad(loss)(x[i], t[i]) for i in range(B)])
+    torch.testing.assert_close(ours, want)
+    assert not ours.isnan().any()
+
+
+@pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
 def test_cross_entropy_label_smoothing(reduction):
     x, t = torch.randn(B, 6, 5), torch.randint(0, 5, (B, 6))
     check(lambda x, t: F.cross_entropy(x, t, label_smoothing=0.2, reduction=reduction), x, t)

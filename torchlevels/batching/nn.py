@@ -570,7 +570,10 @@ def nll_loss_backward(func, args, dims, kwargs):
         go = go.reshape((size,) + (1,) * (w.dim() - 1))
     if reduction == 1:
         go = go / materialize(total, dims[6], size).reshape(go.shape)
-    grad = torch.zeros_like(x).scatter(class_dim, index, (-w * go).unsqueeze(class_dim))
+    # an ignored target writes nothing, as in PyTorch's kernel: no 0 * inf where an example
+    # has no targets that count (its mean's total weight is 0)
+    value = (-w * go).masked_fill(~keep, 0)
+    grad = torch.zeros_like(x).scatter(class_dim, index, value.unsqueeze(class_dim))
     return grad, 0
 
 
