@@ -601,3 +601,29 @@ def test_strides_of_size_one_dims_as_torch_func_shows_them(dtype):
     row = torch.randn(4, 1, dtype=dtype).t()  # (1, 4), strides (1, 1)
     assert strides(lambda g: torchlevels.grad(lambda a: g(a * 1).sum()), row) == strides(
         lambda g: torch.func.grad(lambda a: g(a * 1).sum()), row)
+
+
+_W = torch.randn(5, 4)
+# calls of shortcut functions given their tensors as keywords (no positional argument)
+KEYWORD_CALLS = {
+    "sum": lambda a: torch.sum(input=a, dim=0),
+    "cat": lambda a: torch.cat(tensors=[a, a]),
+    "stack": lambda a: torch.stack(tensors=[a, a], dim=1),
+    "zeros_like": lambda a: torch.zeros_like(input=a) + a,
+    "softmax": lambda a: torch.softmax(input=a, dim=0),
+    "cumsum": lambda a: torch.cumsum(input=a, dim=0),
+    "unsqueeze": lambda a: torch.unsqueeze(input=a, dim=0),
+    "reshape": lambda a: torch.reshape(input=a, shape=(2, 2)),
+    "transpose": lambda a: torch.transpose(input=a.view(2, 2), dim0=0, dim1=1),
+    "chunk": lambda a: torch.chunk(input=a, chunks=2),
+    "linear": lambda a: F.linear(input=a, weight=_W),
+    "avg_pool2d": lambda a: F.avg_pool2d(input=a.view(1, 2, 2), kernel_size=2),
+    "vector_norm": lambda a: torch.linalg.vector_norm(x=a),
+}
+
+
+@pytest.mark.parametrize("call", KEYWORD_CALLS)
+def test_calls_given_their_tensors_as_keywords(call):
+    # the shortcuts read the tensor from the positional arguments: such a call declines
+    x = torch.randn(3, 4)
+    assert_close(vmap(KEYWORD_CALLS[call])(x), func_vmap(KEYWORD_CALLS[call])(x))

@@ -65,7 +65,8 @@ def switch_on() -> None:
 def torch_function(cls, func, types, args=(), kwargs=None):
     """A vmap level class's ``__torch_function__``: a shortcut for ``func`` if it applies."""
     shortcut = SHORTCUTS.get(func)
-    if shortcut is not None and cls._level.alive and forward_ad._current_level < 0:
+    # (a call given its tensors as keywords, torch.sum(input=x), takes the usual way)
+    if shortcut is not None and args and cls._level.alive and forward_ad._current_level < 0:
         with _no_subclass_torch_function():
             out = shortcut(cls, func, args, kwargs or _EMPTY)
         if out is not None:
