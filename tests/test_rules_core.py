@@ -185,6 +185,19 @@ def test_view_of_examples_that_cannot_be_viewed_raises(in_dim):
     check_vmap(g, x, in_dims=in_dim)
 
 
+@pytest.mark.parametrize("in_dim", [0, 2])
+@pytest.mark.parametrize("t", [torch.t, torch.Tensor.t, torch.Tensor.t_])
+def test_t_of_examples_of_more_than_two_dims_raises_as_in_torch_func(t, in_dim):
+    x = torch.randn(5, 2, 4, 3).movedim(0, in_dim)
+    for run in (lambda: loop_reference(t, (x.clone(),), in_dims=in_dim),
+                lambda: func_vmap(t, in_dims=in_dim)(x.clone()),
+                lambda: vmap(t, in_dims=in_dim)(x.clone())):
+        with pytest.raises(RuntimeError, match=r"expects a tensor with <= 2 dimensions"):
+            run()
+    if t is not torch.Tensor.t_:  # (check_vmap runs each way on the same input)
+        check_vmap(t, x[..., 0].clone(), in_dims=min(in_dim, 1))
+
+
 @pytest.mark.parametrize("in_dim", [0, 1, 2])
 def test_view_copy_of_examples_that_cannot_be_viewed(in_dim):
     """view_copy copies, so like eager it takes examples that a view could not."""

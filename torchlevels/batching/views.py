@@ -71,6 +71,9 @@ def transpose(func, args, dims, kwargs):
 @register(aten.t.default)
 def t(func, args, dims, kwargs):
     x = to_front(args[0], dims[0])
+    if x.dim() > 3:
+        raise RuntimeError(f"{func._opname}() expects a tensor with <= 2 dimensions, but self "
+                           f"is {x.dim() - 1}D")  # torch's error, for one example
     return (x.transpose(1, 2) if x.dim() == 3 else x), 0
 
 
