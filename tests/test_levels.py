@@ -411,6 +411,17 @@ def test_a_subclass_whose_torch_function_converts_results_gets_a_clear_error():
         vmap(lambda x: x * w)(torch.randn(4, 3))
 
 
+def test_unwrapping_an_unbatched_tensor_before_the_batch_size_is_known_raises():
+    with vmap() as B0, vmap() as B1:
+        with pytest.raises(ValueError, match="no batch size to expand it to yet"):
+            B0.unwrap(torch.ones(2))
+        assert B0.unwrap(torch.ones(2), out_dim=None).shape == (2,)
+        x = B0(torch.ones(3, 2))
+        with pytest.raises(ValueError, match=r"Wrap one first"):
+            B1.unwrap(x)
+        assert B0.unwrap(torch.ones(2)).shape == (3, 2)
+
+
 def test_unwrapping_an_outer_level_before_an_inner_live_one_raises():
     with vmap() as B0, vmap() as B1:
         z = B0(torch.ones(10, 2)) + B1(torch.ones(15, 2))

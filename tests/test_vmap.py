@@ -316,6 +316,27 @@ def test_chunk_size_matches_unchunked():
     assert_close(vmap(f, chunk_size=3, out_dims=1)(x), func_vmap(f, out_dims=1)(x))
 
 
+@pytest.mark.parametrize("chunk_size", [None, 2, 8])
+def test_a_one_tuple_out_dims_for_one_tensor(chunk_size):
+    # torch.func reads out_dims=(d,) for a single tensor output as d
+    x = torch.randn(3, 4)
+    out = vmap(lambda a: a * 2, out_dims=(1,), chunk_size=chunk_size)(x)
+    assert_close(out, func_vmap(lambda a: a * 2, out_dims=(1,))(x))
+    with pytest.raises(ValueError, match="out_dims is not compatible"):
+        vmap(lambda a: a * 2, out_dims=(1, 1), chunk_size=chunk_size)(x)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 3, 8])
+def test_chunked_outputs_are_new_tensors(chunk_size):
+    # as in torch.func, which concatenates the chunks: a view of an input, returned
+    # through a chunked vmap, does not write to the input (one chunk or several)
+    x = torch.ones(3, 4)
+    for lib_vmap in (vmap, func_vmap):
+        out = lib_vmap(lambda a: a[:2], chunk_size=chunk_size)(x)
+        out.zero_()
+        assert x.sum() == 12
+
+
 class TestRandomness:
     x = torch.randn(4, 3)
 

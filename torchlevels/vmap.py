@@ -113,6 +113,12 @@ class BatchLevel(Level):
                 return tensor
             if wraps(tensor, cls):  # its ops on ours ran inside it
                 return through(tensor, lambda t: self.unwrap(cls, t, out_dim))
+            if self.batch_size is None:
+                raise ValueError(
+                    f"{cls.__name__}.unwrap: the tensor is not batched at this level, and the "
+                    "level has no batch size to expand it to yet: it takes the size of the "
+                    f"first tensor wrapped with {cls.__name__}(t, dim). Wrap one first, or "
+                    "pass out_dim=None to get the tensor back as it is.")
             out_dim = _checked_out_dim(out_dim, tensor, cls)
             sizes = [-1] * (tensor.dim() + 1)
             sizes[out_dim] = self.batch_size
@@ -417,8 +423,9 @@ def vmap(
     @functools.wraps(func)
     def wrapped(*args, **kwargs):
         flat_args, flat_dims, spec, size = _flat_inputs(func, in_dims, args)
-        if chunk_size is None or chunk_size >= size:
+        if chunk_size is None or not size:
             return _vmap_call(func, flat_args, flat_dims, spec, kwargs, out_dims, randomness, size)
+        # chunks, even one: the outputs are new tensors (concatenated), as in torch.func
         return _chunked_call(
             func, flat_args, flat_dims, spec, kwargs, out_dims, randomness, size, chunk_size
         )
@@ -538,11 +545,20 @@ def _broadcast_prefix(prefix: Any, spec: TreeSpec) -> list | None:
     return _broadcast_to_and_flatten(prefix, spec)
 
 
+def _one_tensors_out_dims(out: Any, out_dims: Any) -> Any:
+    """``out_dims`` for the output ``out``: for a single tensor, ``(d,)`` means ``d``, as
+    torch.func reads it."""
+    if isinstance(out, torch.Tensor) and type(out_dims) is tuple and len(out_dims) == 1:
+        return out_dims[0]
+    return out_dims
+
+
 def _vmap_call(func, flat_args, flat_dims, spec, kwargs, out_dims, randomness, size):
     with entered(new_batch_class(randomness, size)) as B, predispatch.hook():
         B._level.functional = True
         batched = [a if d is None else wrap_batched(B, a, d) for a, d in zip(flat_args, flat_dims)]
         out = func(*(batched if spec is None else tree_unflatten(batched, spec)), **kwargs)
+        out_dims = _one_tensors_out_dims(out, out_dims)
         if type(out) is B and type(out_dims) is int:  # one batched tensor: no pytree work
             return B._level.unwrap(B, out, out_dims)
         flat_out, out_spec = tree_flatten(out)
@@ -592,7 +608,7 @@ def _chunked_call(func, flat_args, flat_dims, spec, kwargs, out_dims, randomness
         pieces.append(_vmap_call(func, args, flat_dims, spec, kwargs, out_dims, randomness, n))
     flat_pieces = [tree_flatten(p)[0] for p in pieces]
     out_spec = tree_flatten(pieces[0])[1]
-    flat_out_dims = _broadcast_prefix(out_dims, out_spec)
+    flat_out_dims = _broadcast_prefix(_one_tensors_out_dims(pieces[0], out_dims), out_spec)
     merged = [
         pieces_i[0] if d is None else torch.cat(pieces_i, dim=d)
         for pieces_i, d in zip(zip(*flat_pieces), flat_out_dims)
