@@ -527,7 +527,13 @@ class JvpLevel(Level):
         with autograd_on():
             dual_args = [_to_dual(a, cls, level, nested) for a in args]
             dual_kwargs = {k: _to_dual(v, cls, level, nested) for k, v in kwargs.items()}
-            out = call_recorded(func, dual_args, dual_kwargs)
+            # (a view is made as autograd's view, which a later in-place op recorded needs)
+            if inplace or returns_view(func) or _recorded_outside(cls, args, dual_args,
+                                                                   dual_kwargs):
+                out = call_recorded(func, dual_args, dual_kwargs)
+            else:  # forward AD alone (which no_grad leaves on)
+                with torch.no_grad():
+                    out = call_recorded(func, dual_args, dual_kwargs)
             if is_custom_op(func):
                 _refuse_custom_op(cls, func, args, dual_args[0] if inplace else out, level)
             if inplace:
@@ -539,6 +545,30 @@ class JvpLevel(Level):
             # with a tangent, like detach)
             out._view_of = (args[0], [(func, args[1:], kwargs)])
         return out
+
+
+def _recorded_outside(cls, args: tuple, dual_args: list, dual_kwargs: dict) -> bool:
+    """Whether autograd must record an op of jvp level ``cls`` run on its duals: a dual or
+    another argument, or the tangent of one of ours, requires grad for autograd outside
+    or a level outside. A plain tensor that requires grad only for the graph of a grad
+    level inside this one (its leaf, ``grad(lambda x: w * x)(x0)`` under ``jvp`` over
+    ``w``) does not count: that level recorded the op on our tensors at its own dispatch,
+    and a record here would be a second graph, left on the results the transforms return."""
+    tangents = [a._tangent for a in args if type(a) is cls and a._tangent is not None]
+    return any(map(_differentiated_beyond_inner_levels, (*dual_args, *dual_kwargs.values(),
+                                                         *tangents)))
+
+
+def _differentiated_beyond_inner_levels(a: Any) -> bool:
+    """Whether argument ``a`` (a tensor or a list of them) is a tensor of a grad or jvp
+    level, or wraps a plain one that requires grad other than for a grad level's graph."""
+    if type(a) in (list, tuple):
+        return any(map(_differentiated_beyond_inner_levels, a))
+    while isinstance(a, LevelTensor):
+        if a._level.differentiates:
+            return True
+        a = a._inner
+    return isinstance(a, torch.Tensor) and requires_grad_flag(a) and tracked_outside(a)
 
 
 def _check_dual(cls, primal: Any, tangent: Any) -> None:
