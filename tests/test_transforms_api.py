@@ -431,6 +431,70 @@ def test_linearize_under_vmap_of_tangents():
     assert_tree_close(tl.vmap(fn)(torch.eye(3)), torch.func.vmap(fn_f)(torch.eye(3)))
 
 
+def test_linearize_runs_the_function_once_more_and_jvp_fn_replays_a_fixed_linear_map():
+    # as torch.func's (and JAX's): f runs for the output and once, traced, for jvp_fn;
+    # jvp_fn then runs no Python of f, so state f reads later is not seen
+    calls, scale = [], [1.0]
+
+    def f(a):
+        calls.append(1)
+        return (a * scale[0]).sin()
+
+    out, fn = tl.linearize(f, X)
+    out_f, fn_f = tf.linearize(f, X)
+    scale[0] = 5.0
+    before = len(calls)
+    assert_tree_close((out, fn(Y)), (out_f, fn_f(Y)))
+    assert len(calls) == before  # neither runs f again
+
+
+def test_linearize_of_random_ops_is_a_linear_map():
+    # dropout's mask and a random scale are drawn once, when linearize traces: every call
+    # of jvp_fn applies the same linear map (torch.func's redraws the mask per call)
+    torch.manual_seed(0)
+    _, fn = tl.linearize(lambda a: F.dropout(a, 0.5) * torch.rand(3), X)
+    t1, t2 = torch.randn(3), torch.randn(3)
+    torch.testing.assert_close(fn(t1) + fn(t2), fn(t1 + t2))
+    torch.testing.assert_close(fn(t1), fn(t1))
+
+
+def test_linearize_through_a_buffer_written_with_tangent_values():
+    # a buffer made inside f and written in place: its tangent is written per call, so it
+    # is made per call, not once (the results of two calls would be one tensor)
+    def f(a):
+        out = a.new_zeros(4)
+        out[1:] = a.sin()
+        return out
+
+    _, fn = tl.linearize(f, X)
+    _, fn_f = tf.linearize(f, X)
+    first, second = fn(Y), fn(2 * Y)
+    assert_tree_close((first, second), (fn_f(Y), fn_f(2 * Y)))
+
+
+def test_linearize_reads_a_buffer_before_it_is_written_in_place():
+    # the tangent part reads buf, which f writes afterwards: run once, the write would
+    # come before every later read
+    def f(a):
+        buf = a.new_ones(3) * 2
+        r = a * buf
+        buf.mul_(3)
+        return r + buf
+
+    _, fn = tl.linearize(f, X)
+    assert_tree_close((fn(Y), fn(2 * Y)), (tf.jvp(f, (X,), (Y,))[1], tf.jvp(f, (X,), (2 * Y,))[1]))
+
+
+def test_linearize_inside_vmap_runs_jvp():
+    def per_example(x, t):
+        return tl.linearize(lambda a: a.sin() * a, x)[1](t)
+
+    xs, ts = torch.randn(4, 3), torch.randn(4, 3)
+    expected = torch.stack([tf.jvp(lambda a: a.sin() * a, (x,), (t,))[1]
+                            for x, t in zip(xs, ts)])
+    assert_tree_close(tl.vmap(per_example)(xs, ts), expected)
+
+
 @pytest.mark.parametrize("argnums", [0, 1, (0, 1), (1, 0)])
 def test_hessian_with_argnums(argnums):
     assert_tree_close(tl.hessian(two_args, argnums=argnums)(X, Y),
@@ -1509,7 +1573,7 @@ def test_jvp_level_docstring_example():
 def test_autodiff_and_transforms_docstrings_run():
     vmap_module = sys.modules["torchlevels.vmap"]  # the package attribute is the function
     tools = [sys.modules[f"torchlevels.tools.{name}"]
-             for name in ("flops", "forwarding", "oplog", "trace")]
+             for name in ("flops", "forwarding", "oplog", "trace", "partial_eval")]
     for module in (torchlevels.autodiff, torchlevels.transforms, vmap_module,
                    sys.modules["torchlevels._level"], sys.modules["torchlevels._torch_compile"],
                    torchlevels.autograd_grad, sys.modules["torchlevels.l1_loss_weight"], *tools):
@@ -1863,6 +1927,11 @@ _MISUSES = {  # each raises in torch.func too, with the same exception type
     "linearize with a float64 tangent": lambda lib, x: lib.linearize(torch.sin, x)[1](
         x.double()),
     "vjp_fn with a float cotangent": lambda lib, x: lib.vjp(torch.sin, x)[1](1.0),
+    "jvp with a float primal": lambda lib, x: lib.jvp(torch.sin, (1.0,), (x,)),
+    "jvp of a function with no output": lambda lib, x: lib.jvp(lambda a: (), (x,), (x,)),
+    "vjp of a function with no output": lambda lib, x: lib.vjp(lambda a: [], x),
+    "jacrev of a function with no output": lambda lib, x: lib.jacrev(lambda a: ())(x),
+    "jacfwd of a function with no output": lambda lib, x: lib.jacfwd(lambda a: ())(x),
 }
 
 

@@ -34,6 +34,7 @@ from torchlevels.autodiff import (
 )
 from torchlevels.autograd_grad import own_grad
 from torchlevels.batching.registry import UnbatchedWriteError
+from torchlevels.tools.partial_eval import partially_evaluated
 from torchlevels.vmap import BatchLevel, vmap
 
 __all__ = [
@@ -55,6 +56,13 @@ def _inputs(api: str, flat: list, dtype_error: type[Exception] = RuntimeError) -
                 f"differentiated, got one of dtype {t.dtype}. Pass it as a non-differentiated "
                 "argument (see argnums) or convert it with .float()."
             )
+
+
+def _refuse_no_output(api: str, flat_out: list) -> None:
+    """f must return a tensor: torch.func's error for an empty output."""
+    if not flat_out:
+        raise RuntimeError(f"{_call(api)}: Expected f to be a function that has non-empty "
+                           "output (got output = [])")
 
 
 def _refuse_complex(api: str, flat: list, what: str) -> None:
@@ -229,6 +237,7 @@ def vjp(func: Callable, *primals: Any, has_aux: bool = False, _api: str = "vjp")
         wrapped = [G(t) for t in flat]
         out, aux = _split_aux(_api, func(*tree_unflatten(wrapped, spec)), has_aux)
         flat_out, out_spec = tree_flatten(out)
+        _refuse_no_output(_api, flat_out)
         for o in flat_out:
             if not isinstance(o, torch.Tensor):
                 raise RuntimeError(
@@ -310,6 +319,10 @@ def jvp(func: Callable, primals: Any, tangents: Any, *, strict: bool = False,
         )
     if not flat_p:
         raise RuntimeError(f"{call}: Expected primals to contain at least one Tensor.")
+    for p in flat_p:
+        if not isinstance(p, torch.Tensor):
+            raise RuntimeError(f"{call}: Expected primals to only contain Tensors, got "
+                               f"{type(p).__name__}")
     _inputs(_api, flat_p, ValueError)
     for p, t in zip(flat_p, flat_t):
         if not isinstance(t, torch.Tensor):
@@ -330,6 +343,7 @@ def jvp(func: Callable, primals: Any, tangents: Any, *, strict: bool = False,
         wrapped = [J(p, t) for p, t in zip(flat_p, flat_t)]
         out, aux = _split_aux(_api, func(*tree_unflatten(wrapped, spec_p)), has_aux)
         flat_out, out_spec = tree_flatten(out)
+        _refuse_no_output(_api, flat_out)
         pairs = []
         for o in flat_out:
             if not isinstance(o, torch.Tensor):
@@ -354,6 +368,12 @@ def jvp(func: Callable, primals: Any, tangents: Any, *, strict: bool = False,
 def linearize(func: Callable, *primals: Any) -> tuple[Any, Callable]:
     """``(func(*primals), jvp_fn)`` where ``jvp_fn(*tangents)`` is the JVP at ``primals``.
 
+    As in torch.func, ``func`` runs eagerly for the output, and once more, traced, for
+    ``jvp_fn``: the ops of the JVP that do not depend on the tangents run then, once
+    (random ones included), and ``jvp_fn`` replays only the rest, a fixed linear map.
+    Unlike torch.func's, the results keep their autograd history to primals (and captured
+    tensors) that require grad. Inside another transform, ``jvp_fn`` runs ``jvp`` anew.
+
     Example::
 
         >>> import torch
@@ -362,17 +382,40 @@ def linearize(func: Callable, *primals: Any) -> tuple[Any, Callable]:
         >>> jvp_fn(torch.ones(2))
         tensor([1.0000, 0.5403])
     """
-    _inputs("linearize", tree_flatten(primals)[0], ValueError)
+    flat_primals, primals_spec = tree_flatten(primals)
+    _inputs("linearize", flat_primals, ValueError)
     out = func(*primals)
+    out_spec = tree_flatten(out)[1]
+
+    def tangent_part(*flat_tangents: torch.Tensor) -> Any:
+        return jvp(func, primals, tree_unflatten(list(flat_tangents), primals_spec),
+                   _api="linearize")[1]
+
+    if innermost() is None and not any(isinstance(p, LevelTensor) for p in flat_primals):
+        run = partially_evaluated(lambda *t: tree_flatten(tangent_part(*t))[0],
+                                  [torch.zeros_like(p) for p in flat_primals])
+    else:  # a trace would hold an enclosing level's ops
+        run = None
 
     @eager
     def jvp_fn(*tangents: Any) -> Any:
-        for k, (p, t) in enumerate(zip(tree_flatten(primals)[0], tree_flatten(tangents)[0])):
-            if isinstance(t, torch.Tensor) and t.dtype != p.dtype:
-                raise RuntimeError(
-                    f"linearize's jvp_fn: tangent {k} has dtype {t.dtype}, which does not "
-                    f"match the dtype {p.dtype} of the corresponding primal")
-        return jvp(func, primals, tangents, _api="linearize")[1]
+        flat, spec = tree_flatten(tangents)
+        if spec != primals_spec:
+            raise RuntimeError(
+                f"linearize's jvp_fn: Expected the tangents {spec} to have the same pytree "
+                f"structure as the primals {primals_spec}")
+        for k, (p, t) in enumerate(zip(flat_primals, flat)):
+            if not isinstance(t, torch.Tensor):
+                raise RuntimeError(f"linearize's jvp_fn: tangent {k} is a {type(t).__name__}, "
+                                   f"not a Tensor")
+            for what in ("shape", "dtype", "device"):
+                if getattr(t, what) != getattr(p, what):
+                    raise RuntimeError(
+                        f"linearize's jvp_fn: tangent {k} has {what} {getattr(t, what)}, which "
+                        f"does not match the {what} {getattr(p, what)} of primal {k}")
+        if run is None:
+            return tangent_part(*flat)
+        return tree_unflatten(run(*flat), out_spec)
 
     return out, jvp_fn
 

@@ -97,13 +97,13 @@ def _trace(func: Callable, args: tuple, kwargs: dict) -> tuple[GraphModule, Any,
             raise
         raise DataDependentError(_data_dependent(func, "aten._local_scalar_dense")) from e
     _check_no_python_values(gm, func)
-    _drop_aliases(gm)
+    drop_aliases(gm)
     gm.graph.eliminate_dead_code()
     gm.recompile()
     return gm, out_spec, outputs
 
 
-def _drop_aliases(gm: GraphModule) -> None:
+def drop_aliases(gm: GraphModule) -> None:
     """Read through ``aten.alias`` nodes (forward AD makes one per dual tensor it packs or
     unpacks, half the nodes of a jvp's graph). An alias has its input's storage and
     metadata, so reading it is reading its input; an alias that an op writes to (which
