@@ -448,6 +448,31 @@ def test_masked_fill_mask_bigger_than_self():
         check(lambda x, m, v: x.masked_fill(m, v), args, dims)
 
 
+@pytest.mark.parametrize("value_dtype", [torch.float64, torch.int64, torch.float16])
+@pytest.mark.parametrize("self_dtype", [torch.float32, torch.int32, torch.uint8])
+def test_masked_fill_keeps_selfs_dtype_for_examples_of_0_dims(self_dtype, value_dtype):
+    # a batched 0-dim self is a vector physically, which would promote with a 0-dim value
+    value = torch.tensor(7, dtype=value_dtype)
+    for dims in combos(2):
+        args = [batched(lambda: (randn()() * 9).to(self_dtype), dims[0]),
+                batched(lambda: torch.rand(()) > 0.5, dims[1])]
+        check(lambda x, m: x.masked_fill(m, value), args, dims)
+        assert run_ours(lambda x, m: x.masked_fill(m, value), args, dims).dtype == self_dtype
+
+
+@pytest.mark.parametrize(("values", "dtype"), [
+    ([1.5, 2.5, 300.7], torch.uint8), ([1.0, -200.0, 3.0], torch.int8),
+    ([1.0, 1e300, 2.0], torch.float32), ([1 + 0j, 2 + 1j, 3 + 0j], torch.float32)])
+def test_masked_fill_with_fill_values_that_overflow_raises_as_each_example_would(values, dtype):
+    x, v = torch.zeros(3, 2, dtype=dtype), torch.tensor(values, dtype=torch.complex128
+                                                        if isinstance(values[1], complex)
+                                                        else torch.float64)
+    fill = lambda x, v: x.masked_fill(torch.tensor([True, False]), v)  # noqa: E731
+    check_raises(fill, [x, v], (0, 0), match="cannot be converted to type")
+    fits = v.real.clamp(-100, 100).to(v.dtype) if v.is_complex() else v.clamp(-100, 100)
+    check(fill, [x, fits if not v.is_complex() else fits.real + 0j], (0, 0))
+
+
 def test_masked_fill_inplace_unbatched_self_raises():
     x, m, v = torch.randn(4), torch.rand(B, 4) > 0.5, torch.randn(B)
     check_raises(lambda x, m: x.masked_fill_(m, 1.0), [x, m], (None, 0), match="vmapped over")

@@ -337,6 +337,21 @@ def test_chunked_outputs_are_new_tensors(chunk_size):
         assert x.sum() == 12
 
 
+@pytest.mark.parametrize("write", [lambda a: a.add_(1), lambda a: a[0].fill_(2),
+                                   lambda a: a.copy_(torch.ones(4))])
+def test_writing_an_inference_tensor_outside_inference_mode_raises(write):
+    with torch.inference_mode():
+        t, theirs = torch.zeros(3, 4), torch.zeros(3, 4)
+    with pytest.raises(RuntimeError, match="Inplace update to inference tensor"):
+        func_vmap(write)(theirs)  # as eager does
+    with pytest.raises(RuntimeError, match="Inplace update to inference tensor"):
+        vmap(write)(t)
+    assert not t.any()  # (torch.func's writes before it raises)
+    with torch.inference_mode():  # inside it, the write is allowed
+        vmap(write)(t)
+    assert t.any()
+
+
 class TestRandomness:
     x = torch.randn(4, 3)
 

@@ -148,6 +148,9 @@ class BatchLevel(Level):
         if rule.how is How.DECOMPOSITION:
             return rule.fn(*args, **kwargs)
         phys, dims, grad = unwrap_args(cls, args)
+        if rule.inplace and phys and isinstance(phys[0], torch.Tensor) and (
+                phys[0].is_inference() and not torch.is_inference_mode_enabled()):
+            raise RuntimeError(_INFERENCE_WRITE)  # PyTorch checks this above the levels
         kw_dims = None
         if kwargs and any(type(v) is cls for v in kwargs.values()):
             rule, kwargs, kw_dims, kw_grad = _batched_keywords(cls, rule, kwargs)
@@ -186,6 +189,12 @@ class BatchLevel(Level):
         if result is NotImplemented:
             return func.decompose(*args, **kwargs)
         return wrap_outputs(cls, func, False, args, *result)
+
+
+_INFERENCE_WRITE = (  # PyTorch's error
+    "Inplace update to inference tensor outside InferenceMode is not allowed.You can make a "
+    "clone to get a normal tensor before doing inplace update.See "
+    "https://github.com/pytorch/rfcs/pull/17 for more details.")
 
 
 def _batched_keywords(cls, rule: Resolved, kwargs: dict) -> tuple[Resolved, dict, dict, bool]:

@@ -330,12 +330,19 @@ def masked_fill(func, args, dims, kwargs):
         raise_inplace_unbatched_self(func)
     value_batched = dims[2] is not None
     if not inplace and not value_batched:
-        return pointwise_rule(func, args, dims, kwargs)
+        out, out_dim = pointwise_rule(func, args, dims, kwargs)
+        # self's dtype, as unbatched: a batched 0-dim self would promote with the value
+        return out.to(self.dtype), out_dim
     rank = max(logical_rank(self, dims[0]), logical_rank(mask, dims[1]))
     mask = mask if dims[1] is None else pad_to_rank(to_front(mask, dims[1]), rank)
     x = to_front(self, dims[0])
     if value_batched:
-        value = pad_to_rank(to_front(value, dims[2]).to(self.dtype), rank)
+        value = to_front(value, dims[2])
+        if value.dtype != self.dtype and value.numel():
+            _check_convertible(value, self.dtype)
+            if value.is_complex() and not self.dtype.is_complex:
+                value = value.real  # its imaginary parts are 0: checked
+        value = pad_to_rank(value.to(self.dtype), rank)
     if inplace:
         x = pad_to_rank(x, rank)  # the mask may not be bigger in place: torch raises then
         if value_batched:
@@ -345,6 +352,21 @@ def masked_fill(func, args, dims, kwargs):
         return self, dims[0]
     x = x if dims[0] is None else pad_to_rank(x, rank)
     return torch.where(mask, value, x), 0
+
+
+def _check_convertible(values: torch.Tensor, dtype: torch.dtype) -> None:
+    """Raise torch's error if a fill value among ``values`` overflows ``dtype``, as each
+    example's fill would (its value read as a number): the values that overflow form no
+    interval inside one, so checking the least and the greatest is enough."""
+    if values.is_complex():
+        if dtype.is_complex:
+            return
+        imaginary = values.imag != 0
+        if imaginary.any():  # a real tensor refuses these: raise its error
+            torch.empty((), dtype=dtype).fill_(values[imaginary][0].item())
+        values = values.real
+    for v in (values.min(), values.max()):
+        torch.empty((), dtype=dtype, device=values.device).fill_(v.item())
 
 
 @register(aten.masked_select.default)
