@@ -1576,7 +1576,8 @@ def test_autodiff_and_transforms_docstrings_run():
              for name in ("flops", "forwarding", "oplog", "trace", "partial_eval")]
     for module in (torchlevels.autodiff, torchlevels.transforms, vmap_module,
                    sys.modules["torchlevels._level"], sys.modules["torchlevels._torch_compile"],
-                   torchlevels.autograd_grad, sys.modules["torchlevels.l1_loss_weight"], *tools):
+                   torchlevels.autograd_grad, sys.modules["torchlevels.l1_loss_weight"],
+                   sys.modules["torchlevels.cond"], *tools):
         result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
         assert result.failed == 0, module.__name__
         assert result.attempted > 0

@@ -3,8 +3,9 @@
 # torch.func's own: plain utilities, and functionalize, which runs inside levels
 from torch.func import functionalize, rearrange, replace_all_batch_norm_modules_
 
-# wrap autograd.grad, RNN ops, and F.l1_loss (whose own drops weight= for subclasses)
-from torchlevels import autograd_grad, l1_loss_weight, lifting  # noqa: F401
+# wrap autograd.grad, torch.cond, RNN ops, and F.l1_loss (whose own drops weight= for
+# subclasses)
+from torchlevels import autograd_grad, cond, l1_loss_weight, lifting  # noqa: F401
 from torchlevels._level import (
     EscapedTensorError,
     Level,
