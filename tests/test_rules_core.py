@@ -349,6 +349,35 @@ def test_pointwise_mixed_dtypes_and_int_tensors():
         torch.testing.assert_close(vmap(f, in_dims=dims)(*args), func_vmap(f, in_dims=dims)(*args))
 
 
+# one example of 0 dims (physically a vector) meeting a tensor of another dtype: ops that
+# promote promote as one example would; ops that take one dtype raise, as eager does
+ZERO_DIM_EXAMPLES_OF_ANOTHER_DTYPE = {
+    "add": (lambda a, b: a + b, True),
+    "eq": (lambda a, b: a == b, True),
+    "where": (lambda a, b: torch.where(a > 0, a, b), True),
+    "masked_fill": (lambda a, b: b.masked_fill(b > 0, a), True),
+    "lerp": (lambda a, b: torch.lerp(a, b, 0.5), False),
+    "complex": (lambda a, b: torch.complex(a, b[0]), False),
+    "polar": (lambda a, b: torch.polar(a, b[0]), False),
+}
+
+
+@pytest.mark.parametrize("name", ZERO_DIM_EXAMPLES_OF_ANOTHER_DTYPE)
+def test_examples_of_0_dims_meeting_another_dtype(name):
+    f, allowed = ZERO_DIM_EXAMPLES_OF_ANOTHER_DTYPE[name]
+    a, b = torch.randn(3, dtype=torch.float64), torch.randn(4)
+    if allowed:
+        out = vmap(f, in_dims=(0, None))(a, b)
+        expected = loop_reference(f, (a, b), in_dims=(0, None))
+        assert out.dtype == expected.dtype
+        torch.testing.assert_close(out, expected)
+        return
+    with pytest.raises(RuntimeError):
+        loop_reference(f, (a, b), in_dims=(0, None))
+    with pytest.raises(RuntimeError, match="scalar type|expected dtype"):
+        vmap(f, in_dims=(0, None))(a, b)
+
+
 @pytest.mark.parametrize("rank_a", [1, 2, 3])
 @pytest.mark.parametrize("rank_b", [1, 2, 3])
 @pytest.mark.parametrize("dims", [(0, 0), (0, None), (None, 0), (-1, 1)])

@@ -330,9 +330,7 @@ def masked_fill(func, args, dims, kwargs):
         raise_inplace_unbatched_self(func)
     value_batched = dims[2] is not None
     if not inplace and not value_batched:
-        out, out_dim = pointwise_rule(func, args, dims, kwargs)
-        # self's dtype, as unbatched: a batched 0-dim self would promote with the value
-        return out.to(self.dtype), out_dim
+        return pointwise_rule(func, args, dims, kwargs)
     rank = max(logical_rank(self, dims[0]), logical_rank(mask, dims[1]))
     mask = mask if dims[1] is None else pad_to_rank(to_front(mask, dims[1]), rank)
     x = to_front(self, dims[0])

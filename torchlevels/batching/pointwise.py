@@ -51,9 +51,19 @@ def pointwise_rule(func, args, dims, kwargs):
     if fast and not promote:
         return broadcasting(func, args, kwargs), 0
     phys = [pad_to_rank(to_front(a, d), rank) if d is not None else a for a, d in zip(args, dims)]
-    if promote:
-        phys = _promote_batched_scalars(func, phys, args, dims)
-    return broadcasting(func, phys, kwargs), 0
+    if not promote:
+        return broadcasting(func, phys, kwargs), 0
+    logical = [torch.empty(a.shape if d is None else a.shape[:d] + a.shape[d + 1:],
+                           dtype=a.dtype, device="meta") if isinstance(a, torch.Tensor) else a
+               for a, d in zip(args, dims)]  # one example's arguments
+    try:  # one example's output dtype, and the error of an op that refuses mixed dtypes
+        example = func(*logical, **kwargs)
+    except NotImplementedError:  # no meta kernel
+        example = None
+    out = broadcasting(func, _promote_batched_scalars(func, phys, dims, logical), kwargs)
+    if isinstance(example, torch.Tensor) and out.dtype != example.dtype:
+        out = out.to(example.dtype)  # an op that keeps one input's dtype (masked_fill)
+    return out, 0
 
 
 def broadcasting(func, args, kwargs):
@@ -78,7 +88,7 @@ def _broadcast(args) -> list:
     return [next(tensors) if isinstance(a, torch.Tensor) else a for a in args]
 
 
-def _promote_batched_scalars(func, phys, args, dims):
+def _promote_batched_scalars(func, phys, dims, logical):
     """Cast batched 0-dim tensors to the dtype the unbatched op's inputs promote to.
 
     Physically a batched 0-dim tensor has a dim, so it would take part in type promotion
@@ -88,18 +98,13 @@ def _promote_batched_scalars(func, phys, args, dims):
     dtype (float64 "scalar" * complex64 vector is complex64). An in-place op's ``self``
     keeps its dtype: it is written.
     """
-    logical = [
-        torch.empty(a.shape[:d] + a.shape[d + 1 :], dtype=a.dtype, device="meta")
-        if d is not None else a
-        for a, d in zip(args, dims)
-        if isinstance(a, torch.Tensor)
-    ]
-    _, dtype = elementwise_dtypes(*logical, type_promotion_kind=DEFAULT_PROMOTION)
+    _, dtype = elementwise_dtypes(*(t for t in logical if isinstance(t, torch.Tensor)),
+                                  type_promotion_kind=DEFAULT_PROMOTION)
     written = writes_first_argument(func)
     return [
-        _as_scalar_of(p, dtype) if (d is not None and a.dim() == 1
+        _as_scalar_of(p, dtype) if (d is not None and t.dim() == 0
                                     and not (written and k == 0)) else p
-        for k, (p, a, d) in enumerate(zip(phys, args, dims))
+        for k, (p, d, t) in enumerate(zip(phys, dims, logical))
     ]
 
 
@@ -123,7 +128,22 @@ def _is_pointwise(func) -> bool:
 
 
 register_family("pointwise", _is_pointwise, pointwise_rule)
-register(aten.copy_.default, aten.complex, aten.polar)(pointwise_rule)
+register(aten.copy_.default)(pointwise_rule)
+
+
+@register(aten.complex, aten.polar)
+def complex_parts(func, args, dims, kwargs):
+    """``torch.complex``, ``torch.polar``: pointwise, of two tensors of one dtype, which
+    their meta kernels do not check (torch's error: examples of 0 dims would promote)."""
+    first, second = (a.dtype for a in args[:2])
+    if first != second:
+        raise RuntimeError(f"Expected object of scalar type {_NAMES[first]} but got scalar "
+                           f"type {_NAMES[second]} for second argument")
+    return pointwise_rule(func, args, dims, kwargs)
+
+
+_NAMES = {torch.float16: "Half", torch.bfloat16: "BFloat16", torch.float32: "Float",
+          torch.float64: "Double"}
 # elementwise ops PyTorch leaves untagged, which would otherwise decompose into several
 register(aten.hardswish.default, aten.hardswish_.default, aten.floor_divide.default,
          aten.floor_divide.Scalar, aten.floor_divide_.Tensor, aten.floor_divide_.Scalar,
