@@ -40,6 +40,7 @@ def partially_evaluated(func: Callable[..., list], inputs: Sequence[torch.Tensor
     gm = make_fx(func)(*inputs)
     drop_aliases(gm)
     graph = gm.graph
+    graph.eliminate_dead_code()  # (forward AD's checks of shapes, on meta tensors)
     dynamic = _dynamic_nodes(graph)
     known: dict[Node, Any] = {}
     for node in graph.nodes:
