@@ -762,7 +762,6 @@ def _without_tangent(t: torch.Tensor, level: int) -> torch.Tensor:
     return t if tangent is None else primal
 
 
-
 # Ops whose forward-AD formula plain autograd cannot differentiate again (softmax's writes
 # a saved exp in place: PyTorch's own fwAD then backward raises). Where autograd outside
 # tracks an argument, they run as their decompositions, whose pieces it can.
