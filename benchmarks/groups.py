@@ -171,9 +171,11 @@ def overhead_group() -> list[Benchmark]:
 class _MinimalBatched(torch.Tensor):
     """The floor for any per-op design: unwrap, call, rewrap; no levels, checks or rules.
 
-    Correct only for this benchmark (pointwise ops, batch dim 0, equal shapes).
+    Correct only for this benchmark (pointwise ops, batch dim 0, equal shapes, float32 on
+    the CPU: the wrapper takes the default dtype and device, with no keywords to parse).
     """
 
+    __slots__ = ("inner",)  # as quick to read and write as an attribute can be
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @classmethod
@@ -183,7 +185,7 @@ class _MinimalBatched(torch.Tensor):
 
     @classmethod
     def wrap(cls, inner):
-        out = torch.Tensor._make_wrapper_subclass(cls, inner.shape[1:], dtype=inner.dtype)
+        out = torch.Tensor._make_wrapper_subclass(cls, inner.shape[1:])
         out.inner = inner
         return out
 
@@ -630,8 +632,10 @@ def grad_overhead_group() -> list[Benchmark]:
 
 class _PassThrough(torch.Tensor):
     """The floor of a level that only forwards: unwrap, call, rewrap, shapes as they are
-    (the batch stays in the shape: correct for the grad-overhead chain only)."""
+    (the batch stays in the shape: correct for the grad-overhead chain only, whose float32
+    CPU tensors the wrapper's default dtype and device describe)."""
 
+    __slots__ = ("inner",)
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @classmethod
@@ -641,8 +645,10 @@ class _PassThrough(torch.Tensor):
 
     @classmethod
     def wrap(cls, inner, requires_grad=False):
-        out = torch.Tensor._make_wrapper_subclass(cls, inner.shape, strides=inner.stride(),
-                                                  dtype=inner.dtype, requires_grad=requires_grad)
+        if requires_grad:
+            out = torch.Tensor._make_wrapper_subclass(cls, inner.shape, requires_grad=True)
+        else:
+            out = torch.Tensor._make_wrapper_subclass(cls, inner.shape)
         out.inner = inner
         return out
 
