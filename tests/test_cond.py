@@ -33,10 +33,38 @@ def _autograd(f, x: torch.Tensor) -> torch.Tensor:
 def test_gradients_of_cond_take_the_branch_each_example_takes():
     loss = lambda r: branchy(r, r).sum()  # noqa: E731
     torch.testing.assert_close(tl.grad(loss)(X[0]), _autograd(loss, X[0]))
-    torch.testing.assert_close(tl.vmap(tl.grad(loss))(X),
-                               torch.stack([_autograd(loss, r) for r in X]))
     torch.testing.assert_close(tl.jacfwd(lambda r: branchy(r, r))(X[1]),
                                torch.autograd.functional.jacobian(lambda r: branchy(r, r), X[1]))
+    shared = lambda r, p: branchy(r, p).sum()  # noqa: E731 (one predicate for all examples)
+    torch.testing.assert_close(tl.vmap(tl.grad(shared), in_dims=(0, None))(X, X[2]),
+                               torch.stack([_autograd(lambda r: shared(r, X[2]), r) for r in X]))
+
+
+def _piecewise(x: torch.Tensor) -> torch.Tensor:
+    # the branch not taken is undefined there: sqrt of a negative number
+    return torch.cond(x > 0, lambda a: a.sqrt(), lambda a: -a, (x,))
+
+
+def test_forward_mode_through_cond_with_a_predicate_per_example():
+    xs = torch.tensor([4.0, -1.0], dtype=torch.float64)
+    expected = torch.stack([torch.autograd.functional.jacobian(_piecewise, x) for x in xs])
+    torch.testing.assert_close(tl.vmap(tl.jacfwd(_piecewise))(xs), expected)
+    tangent = lambda x: tl.jvp(_piecewise, (x,), (torch.ones_like(x),))[1]  # noqa: E731
+    torch.testing.assert_close(tl.vmap(tangent)(xs), expected)
+
+
+@pytest.mark.parametrize("transform", ["vmap(grad)", "grad(vmap)", "vmap(jacrev)", "autograd"])
+def test_reverse_mode_through_cond_with_a_predicate_per_example_raises(transform):
+    # both branches run: the one an example did not take would give its gradient a nan
+    xs = torch.tensor([4.0, -1.0], dtype=torch.float64)
+    run = {
+        "vmap(grad)": lambda: tl.vmap(tl.grad(_piecewise))(xs),
+        "grad(vmap)": lambda: tl.grad(lambda x: tl.vmap(_piecewise)(x).sum())(xs),
+        "vmap(jacrev)": lambda: tl.vmap(tl.jacrev(_piecewise))(xs),
+        "autograd": lambda: tl.vmap(_piecewise)(xs.clone().requires_grad_()),
+    }[transform]
+    with pytest.raises(NotImplementedError, match="Use forward mode"):
+        run()
 
 
 def test_cond_in_a_with_block_level_and_plain_cond_outside():

@@ -1,5 +1,6 @@
 """The level machinery: classes per invocation, subclass-first order, escapes, threads, memory."""
 
+import asyncio
 import contextvars
 import gc
 import threading
@@ -8,6 +9,7 @@ import tracemalloc
 import pytest
 import torch
 import torch.func
+from torch.func import jvp as func_jvp
 from torch.func import vmap as func_vmap
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
@@ -391,6 +393,84 @@ def test_threads_run_vmap_concurrently():
     for out, expected in results.values():
         torch.testing.assert_close(out, expected)
     assert set(results) == {"a", "b"}
+
+
+def test_threads_run_forward_mode_concurrently():
+    # PyTorch has one forward-AD level per process: the threads take turns holding it
+    # (they used or deleted each other's level: wrong tangents, crashes)
+    x, results = torch.randn(4, 8), {}
+    f = lambda a: (a.sin() * a).tanh()  # noqa: E731
+
+    def work(k):
+        results[k] = [torchlevels.jvp(f, (x[k],), (torch.ones(8),))[1] for _ in range(50)]
+        results[k].append(torchlevels.jacfwd(f)(x[k]).diagonal())
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for k in range(4):
+        expected = func_jvp(f, (x[k],), (torch.ones(8),))[1]
+        for got in results[k]:
+            torch.testing.assert_close(got, expected)
+
+
+def test_switches_levels_change_are_restored_by_the_last_thread_out():
+    both_inside, release = threading.Barrier(2), threading.Event()
+    shared = torch.backends.mha.get_fastpath_enabled(), torch._C._get_mkldnn_enabled()
+    lstm = torch.nn.LSTM(3, 4)
+
+    def work(first):
+        def f(x):
+            both_inside.wait(timeout=10)
+            if not first:
+                release.wait(timeout=10)  # the second thread leaves last
+            return lstm(x)[0].sum()
+        torchlevels.grad(f)(torch.randn(2, 1, 3))
+        if first:
+            release.set()
+
+    threads = [threading.Thread(target=work, args=(k == 0,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert (torch.backends.mha.get_fastpath_enabled(), torch._C._get_mkldnn_enabled()) == shared
+
+
+_PRE_DISPATCH = torch._C.DispatchKey.PreDispatch
+
+
+def test_with_blocks_of_asyncio_tasks_keep_their_levels():
+    async def task(start, inside):
+        await asyncio.sleep(start)
+        with vmap(randomness="different") as B:
+            b = B(torch.zeros(4, 3))
+            await asyncio.sleep(inside)  # the other task enters and leaves meanwhile
+            return B.unwrap(b + torch.randn(3))
+
+    async def both():
+        return await asyncio.gather(task(0, 0.05), task(0.01, 0.1))
+
+    for rows in asyncio.run(both()):  # each example drew its own numbers
+        assert len({tuple(r.tolist()) for r in rows}) == 4
+    assert not torch._C._dispatch_tls_is_dispatch_key_included(_PRE_DISPATCH)
+
+
+def test_levels_exited_out_of_order_leave_no_level_behind():
+    def batches(x):  # a generator working inside a vmap block
+        with vmap() as B:
+            yield B.unwrap(B(x).sin())
+
+    first, second = batches(torch.ones(3, 2)), batches(torch.ones(5, 2))
+    next(first), next(second)
+    first.close()  # not the innermost: the second's level is still live
+    second.close()
+    assert torchlevels._level.innermost() is None
+    torch.randn(2)  # no level's randomness="error" applies any more
+    assert not torch._C._dispatch_tls_is_dispatch_key_included(_PRE_DISPATCH)
+    assert torchlevels.grad(lambda t: t.sin().sum())(torch.ones(3)).grad_fn is None
 
 
 class Logged(torch.Tensor):  # a __torch_function__ that defers to torch.Tensor's

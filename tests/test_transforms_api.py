@@ -485,6 +485,29 @@ def test_linearize_reads_a_buffer_before_it_is_written_in_place():
     assert_tree_close((fn(Y), fn(2 * Y)), (tf.jvp(f, (X,), (Y,))[1], tf.jvp(f, (X,), (2 * Y,))[1]))
 
 
+def test_linearize_keeps_no_traced_source_behind():
+    # torch.fx keeps the source of every module it compiles (make_fx's, once per call)
+    import linecache
+
+    def sources():
+        return sum(key.startswith("<eval_with_key>") for key in linecache.cache)
+
+    tl.linearize(torch.sin, X)[1](Y)
+    before = sources()
+    for _ in range(20):
+        tl.linearize(lambda a: a.sin() * a, X)[1](Y)
+    assert sources() == before
+
+
+def test_linearize_of_a_function_that_reads_a_value_runs_jvp_per_call():
+    # torch.cond reads its predicate: a trace could not hold it
+    f = lambda a: torch.cond(a.sum() > 0, torch.sin, torch.cos, (a,))  # noqa: E731
+    for x in (X, -X.abs()):
+        _, fn = tl.linearize(f, x)
+        assert_tree_close(fn(Y), tl.jvp(f, (x,), (Y,))[1])
+        assert_tree_close(fn(Y), x.cos() * Y if x.sum() > 0 else -x.sin() * Y)
+
+
 def test_linearize_inside_vmap_runs_jvp():
     def per_example(x, t):
         return tl.linearize(lambda a: a.sin() * a, x)[1](t)

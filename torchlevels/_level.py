@@ -539,7 +539,14 @@ class entered:  # lower case: used like the function it replaced, `with entered(
 
     def __exit__(self, *exc: object) -> None:
         self.cls._level.alive = False
-        _innermost.reset(self.token)
+        if _innermost.get() is self.cls:
+            _innermost.reset(self.token)
+        live = _innermost.get()
+        if live is not None and not live._level.alive:
+            # levels entered by hand and exited out of order (`with vmap() as B` in two
+            # generators): the innermost is the nearest live level around
+            live = next((c for c in enclosing_classes(live) if c._level.alive), None)
+            _innermost.set(live)
 
 
 @contextmanager

@@ -52,6 +52,8 @@ from torchlevels._level import (
     wrap_inner,
     wraps,
 )
+from torchlevels._process_state import dual_level as _dual_level
+from torchlevels._process_state import mha_fastpath_off
 from torchlevels.batching import predispatch
 from torchlevels.batching.composite import call_recorded
 from torchlevels.batching.registry import (
@@ -949,16 +951,6 @@ def _from_dual(cls, out: Any, level: int) -> Any:
     return out
 
 
-@contextlib.contextmanager
-def _dual_level() -> Iterator[int]:
-    """The active forward-AD level, entering one if none is (PyTorch allows only one)."""
-    if fwAD._current_level >= 0:
-        yield fwAD._current_level
-        return
-    with fwAD.dual_level():
-        yield fwAD._current_level
-
-
 def _inference_mode_off() -> contextlib.AbstractContextManager:
     """Inference mode off for a level's block, as torch.func's transforms differentiate
     inside it; nothing otherwise (``inference_mode(False)`` also turns grad mode on)."""
@@ -966,22 +958,6 @@ def _inference_mode_off() -> contextlib.AbstractContextManager:
 
 
 _NOTHING = contextlib.nullcontext()
-
-
-class _no_fused_inference:  # lower case: used like a function, `with _no_fused_inference()`
-    """nn.TransformerEncoderLayer and nn.MultiheadAttention off their fused inference
-    kernels, which have no derivatives: they take them in eval mode when no argument
-    requires grad, and a level's tensors never do (autograd runs on their inner tensors).
-    The switch is PyTorch's one, process-wide, restored on exit."""
-
-    __slots__ = ("before",)
-
-    def __enter__(self) -> None:
-        self.before = torch.backends.mha.get_fastpath_enabled()
-        torch.backends.mha.set_fastpath_enabled(False)
-
-    def __exit__(self, *exc: object) -> None:
-        torch.backends.mha.set_fastpath_enabled(self.before)
 
 
 @contextlib.contextmanager
@@ -1008,8 +984,10 @@ def grad_level(name: str = "grad") -> Iterator[type[LevelTensor]]:
     cls = new_level_class(level, "GradTensor", classmethod(torch_function), **_GRAD_LEVEL_TENSOR)
     level.nested_in_autodiff = bool(autodiff_classes(cls.__base__))
     # grad(f) inside no_grad or inference_mode still differentiates, as torch.func's does
+    # (nn.TransformerEncoderLayer and nn.MultiheadAttention take fused inference kernels,
+    # which have no derivatives, when no argument requires grad: a level's never do)
     with (entered(cls), _inference_mode_off(), torch.enable_grad(), predispatch.hook(),
-          _no_fused_inference()):
+          mha_fastpath_off):
         yield cls
 
 
@@ -1033,5 +1011,5 @@ def jvp_level(name: str = "jvp") -> Iterator[type[LevelTensor]]:
         if isinstance(outer._level, JvpLevel):
             outer._level.hosts_jvp = True
     with (entered(cls), _inference_mode_off(), _dual_level(), predispatch.hook(),
-          _no_fused_inference()):
+          mha_fastpath_off):
         yield cls

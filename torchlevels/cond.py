@@ -26,7 +26,8 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
-from torchlevels._level import LevelTensor, innermost
+from torchlevels._level import LevelTensor, enclosing_classes, innermost
+from torchlevels.autodiff import GradLevel, requires_grad_within
 from torchlevels.vmap import BatchLevel
 
 pytorch_cond = torch.cond  # PyTorch's own
@@ -41,6 +42,15 @@ def cond(pred: Any, true_fn: Callable, false_fn: Callable, operands: Any = ()) -
     _check_arguments(pred, true_fn, false_fn, operands)
     if not _differs_per_example(pred):
         return true_fn(*operands) if pred else false_fn(*operands)
+    if _reverse_mode(operands):
+        raise NotImplementedError(
+            "torch.cond under vmap, with a predicate that differs from example to example, "
+            "runs both branches and picks each example's with torch.where. Reverse mode "
+            "(grad, vjp, jacrev, hessian, or autograd outside) would differentiate the "
+            "branch an example did not take at that example's values, where it may be "
+            "undefined (nan: sqrt of a negative number). torch.func refuses this too. Use "
+            "forward mode (jvp, jacfwd), which is right here, or torch.where over inputs "
+            "that each branch is defined at.")
     taken, spec = tree_flatten(true_fn(*operands))
     other, other_spec = tree_flatten(false_fn(*operands))
     _check_same_outputs(taken, spec, other, other_spec)
@@ -55,6 +65,13 @@ def _differs_per_example(pred: Any) -> bool:
             return True
         pred = pred._inner
     return False
+
+
+def _reverse_mode(operands: Any) -> bool:
+    """Whether reverse mode may differentiate the call: a grad level is live, or autograd
+    outside tracks an operand."""
+    return (any(isinstance(c._level, GradLevel) for c in enclosing_classes(innermost()))
+            or any(map(requires_grad_within, tree_leaves(operands))))
 
 
 def _check_arguments(pred: Any, true_fn: Callable, false_fn: Callable, operands: Any) -> None:

@@ -36,11 +36,11 @@ import torch.autograd.forward_ad as fwAD
 from torch.autograd.function import Function, _SingleLevelFunction
 
 from torchlevels._level import LevelTensor
+from torchlevels._process_state import dual_level
 from torchlevels.autodiff import (
     GradLevel,
     JvpLevel,
     _captures_tracked,
-    _dual_level,
     _from_dual,
     _to_dual,
     _wrap,
@@ -174,10 +174,10 @@ def _grad_rule(G: type[LevelTensor], fn, args: tuple, kwargs: dict) -> Any:
 
 def _jvp_rule(J: type[LevelTensor], fn, args: tuple, kwargs: dict) -> Any:
     """Apply ``fn`` to dual tensors, so forward AD calls ``fn.jvp``."""
-    with _dual_level() as dual_level:
-        duals = tuple(_to_dual(a, J, dual_level, J._level.hosts_jvp) for a in args)
+    with dual_level() as level:
+        duals = tuple(_to_dual(a, J, level, J._level.hosts_jvp) for a in args)
         out = _one_level_out(fn, kwargs, copy_views=True).apply(*duals)
-        return _keep_identity(out, duals, args, lambda o: _from_dual(J, o, dual_level))
+        return _keep_identity(out, duals, args, lambda o: _from_dual(J, o, level))
 
 
 # -- vmap: the vmap staticmethod, or fn's rules run under vmap -----------------------------

@@ -16,12 +16,14 @@ input's gates are batched, and no level could take those in-place writes.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from torchlevels._level import innermost
+from torchlevels._process_state import mkldnn_off
 from torchlevels.autodiff import autodiff_classes, constant
 from torchlevels.batching.predispatch import intercept, passed_by
 
@@ -56,12 +58,8 @@ def _with_captured_lifted(op, args: tuple, kwargs: dict) -> Any:
     # an LSTM whose arguments do not require grad (a level's tensors never report it)
     # takes oneDNN's layer kernel, which has no forward AD and whose differentiable
     # backward writes batched cotangents into plain buffers: under grad or jvp, plain ops
-    mkldnn = torch._C._get_mkldnn_enabled()
-    torch._C._set_mkldnn_enabled(mkldnn and not levels)
-    try:
+    with mkldnn_off if levels else contextlib.nullcontext():
         out = op.decompose(*args, **kwargs)  # what runs inside is still intercepted (dropout)
-    finally:
-        torch._C._set_mkldnn_enabled(mkldnn)
     return passed_by(op, args, kwargs) if out is NotImplemented else out
 
 

@@ -391,11 +391,14 @@ def linearize(func: Callable, *primals: Any) -> tuple[Any, Callable]:
         return jvp(func, primals, tree_unflatten(list(flat_tangents), primals_spec),
                    _api="linearize")[1]
 
+    run = None  # inside another transform, a trace would hold that level's ops
     if innermost() is None and not any(isinstance(p, LevelTensor) for p in flat_primals):
-        run = partially_evaluated(lambda *t: tree_flatten(tangent_part(*t))[0],
-                                  [torch.zeros_like(p) for p in flat_primals])
-    else:  # a trace would hold an enclosing level's ops
-        run = None
+        try:
+            run = partially_evaluated(lambda *t: tree_flatten(tangent_part(*t))[0],
+                                      [torch.zeros_like(p) for p in flat_primals])
+        except RuntimeError as e:  # a value read into Python while tracing (torch.cond's
+            if "data-dependent" not in str(e) and "tracing tensor" not in str(e):  # pred)
+                raise
 
     @eager
     def jvp_fn(*tangents: Any) -> Any:

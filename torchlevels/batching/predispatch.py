@@ -10,6 +10,7 @@ those registered here, the way functorch uses its ``FuncTorchVmapMode`` key.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -42,14 +43,25 @@ def unintercepted() -> torch._C._ExcludeDispatchKeyGuard:
 class hook:  # lower case: used like a function, `with hook()`
     """Route intercepted ops through their handlers while the block runs (this thread).
 
-    A class rather than a generator: it runs on every vmap call.
+    The key is per thread, and blocks may end out of order (asyncio tasks, levels entered
+    by hand in generators): it stays on until the thread's last block ends. Handlers pass
+    ops by where no level is live in their context. A class rather than a generator: it
+    runs on every vmap call.
     """
 
-    __slots__ = ("before",)
+    __slots__ = ()
 
     def __enter__(self) -> None:
-        self.before = torch._C._dispatch_tls_is_dispatch_key_included(_PRE_DISPATCH)
-        torch._C._dispatch_tls_set_dispatch_key_included(_PRE_DISPATCH, True)
+        blocks = getattr(_thread, "blocks", 0)
+        if not blocks:
+            _thread.before = torch._C._dispatch_tls_is_dispatch_key_included(_PRE_DISPATCH)
+            torch._C._dispatch_tls_set_dispatch_key_included(_PRE_DISPATCH, True)
+        _thread.blocks = blocks + 1
 
     def __exit__(self, *exc: object) -> None:
-        torch._C._dispatch_tls_set_dispatch_key_included(_PRE_DISPATCH, self.before)
+        _thread.blocks -= 1
+        if not _thread.blocks:
+            torch._C._dispatch_tls_set_dispatch_key_included(_PRE_DISPATCH, _thread.before)
+
+
+_thread = threading.local()  # this thread's blocks, and the key's state before the first

@@ -11,13 +11,17 @@ whose random ops drew their numbers once, as JAX's and torch.func's linearize gi
 
 from __future__ import annotations
 
+import contextlib
+import linecache
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
-from torch.fx import Graph, GraphModule, Node
+from torch.fx import Graph, Node
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.graph_module import _loader as _fx_sources
+from torch.fx.node import map_arg
 
 from torchlevels.tools.trace import drop_aliases
 
@@ -37,7 +41,8 @@ def partially_evaluated(func: Callable[..., list], inputs: Sequence[torch.Tensor
         >>> torch.allclose(f(torch.ones(3))[0], w.exp())  # exp(w) was computed once
         True
     """
-    gm = make_fx(func)(*inputs)
+    with _sources_forgotten():
+        gm = make_fx(func)(*inputs)
     drop_aliases(gm)
     graph = gm.graph
     graph.eliminate_dead_code()  # (forward AD's checks of shapes, on meta tensors)
@@ -49,9 +54,24 @@ def partially_evaluated(func: Callable[..., list], inputs: Sequence[torch.Tensor
         if node.op == "get_attr":
             known[node] = getattr(gm, node.target)
         else:  # make_fx graphs call functions only
-            args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), known.__getitem__)
+            args, kwargs = map_arg((node.args, node.kwargs), known.__getitem__)
             known[node] = node.target(*args, **kwargs)
     return _rest(graph, dynamic, known)
+
+
+@contextlib.contextmanager
+def _sources_forgotten() -> Iterator[None]:
+    """torch.fx keeps the source of every module it compiles, for tracebacks, for the rest
+    of the process (about 1 KB each): those compiled in the block are dropped, since only
+    their graphs are read here."""
+    before = set(linecache.cache)
+    try:
+        yield
+    finally:
+        for key in set(linecache.cache) - before:
+            if key.startswith("<eval_with_key>"):
+                linecache.cache.pop(key, None)
+                _fx_sources.eval_cache.pop(key, None)
 
 
 def _dynamic_nodes(graph: Graph) -> set[Node]:
@@ -113,21 +133,23 @@ def _view_chain(node: Node) -> list[Node]:
     return chain
 
 
-def _rest(graph: Graph, dynamic: set[Node], known: dict[Node, Any]) -> GraphModule:
-    """A graph of the ``dynamic`` nodes, reading the ``known`` values they use as attributes
-    of its module (tensors that may carry autograd history: not buffers)."""
-    holder = torch.nn.Module()
-    rest = Graph()
-    remap: dict[Node, Node] = {}
+def _rest(graph: Graph, dynamic: set[Node], known: dict[Node, Any]) -> Callable[..., list]:
+    """A function of the inputs that runs the ``dynamic`` nodes on them, reading the
+    ``known`` values the nodes use. It interprets the graph rather than compiling it to
+    Python: torch.fx keeps the source of every module it compiles for the rest of the
+    process, one per ``linearize`` call."""
+    inputs = [node for node in graph.nodes if node.op == "placeholder"]
+    calls = [node for node in graph.nodes if node in dynamic and node.op == "call_function"]
+    (output,) = (node for node in graph.nodes if node.op == "output")
+    used = {n: known[n] for node in (*calls, output) for n in node.all_input_nodes
+            if n in known}  # only these stay alive with the function
 
-    def read(node: Node) -> Node:
-        if node not in remap:  # a known value: an attribute of the module
-            name = f"_known{len(holder.__dict__)}"
-            holder.__dict__[name] = known[node]
-            remap[node] = rest.get_attr(name)
-        return remap[node]
+    def run(*values: torch.Tensor) -> list:
+        env = dict(used)
+        env.update(zip(inputs, values))
+        for node in calls:
+            args, kwargs = map_arg((node.args, node.kwargs), env.__getitem__)
+            env[node] = node.target(*args, **kwargs)
+        return list(map_arg(output.args[0], env.__getitem__))
 
-    for node in graph.nodes:
-        if node in dynamic or node.op == "output":
-            remap[node] = rest.node_copy(node, read)
-    return GraphModule(holder, rest)
+    return run
