@@ -1600,7 +1600,8 @@ def test_autodiff_and_transforms_docstrings_run():
     for module in (torchlevels.autodiff, torchlevels.transforms, vmap_module,
                    sys.modules["torchlevels._level"], sys.modules["torchlevels._torch_compile"],
                    torchlevels.autograd_grad, sys.modules["torchlevels.l1_loss_weight"],
-                   sys.modules["torchlevels.cond"], *tools):
+                   sys.modules["torchlevels.cond"], sys.modules["torchlevels._process_state"],
+                   *tools):
         result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
         assert result.failed == 0, module.__name__
         assert result.attempted > 0
