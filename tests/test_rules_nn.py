@@ -829,6 +829,40 @@ def test_per_example_gradients_of_an_example_whose_targets_are_all_ignored(
     assert not ours.isnan().any()
 
 
+LOSSES_OF_REAL_TARGETS = {
+    "mse": F.mse_loss,
+    "huber": F.huber_loss,
+    "smooth_l1": F.smooth_l1_loss,
+    "soft_margin": lambda a, b, **k: F.soft_margin_loss(a, b.sign(), **k),
+    "binary_cross_entropy": lambda a, b, **k: F.binary_cross_entropy(a.sigmoid(), b.sigmoid(),
+                                                                     **k),
+}
+
+
+@pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
+@pytest.mark.parametrize("name", LOSSES_OF_REAL_TARGETS)
+def test_second_derivatives_of_a_loss_followed_by_more_ops(name, reduction):
+    # the loss's backward then gets a grad_output that differs per example (and, in the
+    # double backward, one of self's shape): its batching rule raised, or the op's own
+    # double backward refused the grad_output it was given
+    t = torch.randn(3, dtype=torch.float64)
+    xs = torch.randn(2, 2, 3, dtype=torch.float64)
+    loss = LOSSES_OF_REAL_TARGETS[name]
+    f = lambda a: (loss(a, t, reduction=reduction) ** 2).cos().sum()  # noqa: E731
+
+    def autograd_grad(a):
+        a = a.clone().requires_grad_()
+        return torch.autograd.grad(f(a), a)[0]
+
+    hessians = torch.stack([torch.autograd.functional.hessian(f, r) for r in xs[0]])
+    torch.testing.assert_close(tl.hessian(f)(xs[0, 0]), hessians[0])
+    torch.testing.assert_close(tl.vmap(tl.hessian(f))(xs[0]), hessians)
+    torch.testing.assert_close(tl.vmap(tl.jacfwd(tl.grad(f)))(xs[0]), hessians)
+    torch.testing.assert_close(tl.vmap(tl.vmap(tl.grad(f)))(xs),
+                               torch.stack([torch.stack(list(map(autograd_grad, row)))
+                                            for row in xs]))
+
+
 @pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
 def test_cross_entropy_label_smoothing(reduction):
     x, t = torch.randn(B, 6, 5), torch.randint(0, 5, (B, 6))

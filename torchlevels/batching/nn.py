@@ -755,12 +755,17 @@ def elementwise_loss_backward(func, args, dims, kwargs):
     for n in ("target", "weight"):  # batched: lined up with self; else broadcast as they are
         if in_dims.get(n) is not None:
             bound[n] = pad_to_rank(to_front(bound[n], in_dims[n]), rank)
-    if bound["reduction"] == 1:  # the kernel would divide by the whole batch's elements
+    mean = bound["reduction"] == 1
+    if mean:  # one example's mean, as a sum
         grad = grad / math.prod(shape[1:])
+    if grad_dim is not None:
+        # each example's own grad_output (0-dim, or of any shape that broadcasts to self's
+        # in a double backward), elementwise: the op's double backward of a reduced loss
+        # takes one 0-dim grad_output for the whole call
+        grad = pad_to_rank(to_front(grad, grad_dim), rank)
+        bound["reduction"] = 0
+    elif mean:  # the kernel would divide by the whole batch's elements
         bound["reduction"] = 2
-    if grad_dim is not None:  # each example's 0-dim grad_output, or one of self's shape
-        grad = (pad_to_rank(to_front(grad, grad_dim), rank) if bound["reduction"] == 0
-                else grad.view(size, *[1] * rank))
     if grad.dim():  # binary_cross_entropy_backward takes a dimensioned grad of full shape
         grad = grad.expand(shape)
     return func(grad, **bound), 0
