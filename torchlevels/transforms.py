@@ -20,7 +20,13 @@ from torch.func import functional_call, stack_module_state
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from torchlevels._dim_inputs import accepts_dims
-from torchlevels._level import LevelTensor, innermost, is_foreign, refuse_functional
+from torchlevels._level import (
+    LevelTensor,
+    innermost,
+    is_foreign,
+    refuse_functional,
+    requires_grad_flag,
+)
 from torchlevels._torch_compile import eager
 from torchlevels.autodiff import (
     CapturedMutationError,
@@ -160,7 +166,7 @@ def grad_and_value(func: Callable, argnums: int | tuple[int, ...] = 0,
             out_inner = G.unwrap(out)
             leaves = [w._inner for w in wrapped]
             grads = [None] * len(leaves)
-            if isinstance(out_inner, torch.Tensor) and out_inner.requires_grad:
+            if type(out) is G and requires_grad_flag(out_inner):  # depends on the inputs
                 with backward_pass(G):
                     grads = list(own_grad(out_inner, leaves, allow_unused=True,
                                           create_graph=keep))
@@ -251,6 +257,8 @@ def vjp(func: Callable, *primals: Any, has_aux: bool = False, _api: str = "vjp")
                 )
         keep = _needs_graph(G._level, flat, grad_enabled)
         out_inners = [G.unwrap(o) for o in flat_out]
+        # the outputs that carry this level's graph (the others do not depend on the inputs)
+        tracks = [type(o) is G and requires_grad_flag(i) for o, i in zip(flat_out, out_inners)]
         leaves = [w._inner for w in wrapped]
         results = tree_unflatten([o if keep else shallow_copy(o) for o in out_inners], out_spec)
         if has_aux:
@@ -270,7 +278,7 @@ def vjp(func: Callable, *primals: Any, has_aux: bool = False, _api: str = "vjp")
             if not isinstance(c, torch.Tensor):
                 raise TypeError(f"vjp_fn: cotangent {k} is a {type(c).__name__}; give a tensor "
                                 f"shaped like output {k}, {tuple(o.shape)}")
-        tracked = [(o, c) for o, c in zip(out_inners, flat_ct) if o.requires_grad]
+        tracked = [(o, c) for o, c, t in zip(out_inners, flat_ct, tracks) if t]
         grads = [None] * len(leaves)
         if tracked:
             if create_graph is None:  # torch.func's default, grad mode, where it matters
