@@ -146,6 +146,7 @@ class GradLevel(Level):
         # backward pass must be recorded for it too, as when an input requires grad
         self.captures_tracked = False
         self.in_backward = False  # its backward pass runs (see backward_pass)
+        self.hosts_jvp = False  # whether a jvp level was entered inside (see _without_tangent)
 
     def wrap(self, cls, tensor: torch.Tensor) -> torch.Tensor:
         """``G(t)``: ``t`` as an input of this level (a fresh leaf of its graph)."""
@@ -195,6 +196,12 @@ class GradLevel(Level):
             return decomposed[1](*args, **kwargs)
         inner_args = [unwrap_own(a, cls) for a in args]
         inner_kwargs = {k: unwrap_own(v, cls) for k, v in kwargs.items()} if kwargs else {}
+        if self.hosts_jvp and fwAD._current_level >= 0:
+            # a jvp level's duals reach us as plain tensors with its tangent, which our
+            # graph would save and differentiate after that level exits
+            with autograd_on():  # (forward AD's ops run at autograd's keys)
+                inner_args = [_primal_of_others(a, cls) for a in inner_args]
+                inner_kwargs = {k: _primal_of_others(v, cls) for k, v in inner_kwargs.items()}
         if _shapes_only(args):
             # meta copies, made by PyTorch to learn an output's shape: no derivative
             out = func(*inner_args, **inner_kwargs)
@@ -645,6 +652,8 @@ def _lift_tangent(tangent: torch.Tensor, primal: torch.Tensor) -> torch.Tensor:
     if _levels(primal) <= _levels(tangent):
         return tangent
     lifted = _new_zeros_with_same_feature_meta(tangent, primal)
+    if not _levels(primal) <= _levels(lifted):  # vmap's rule for it batches at one level:
+        lifted = lifted + torch.zeros_like(primal)  # nested vmaps take every level's zeros
     return lifted.copy_(tangent)
 
 
@@ -749,6 +758,16 @@ def _to_dual(a: Any, cls, level: int, nested: bool = False) -> Any:
         return type(a)(_to_dual(t, cls, level, nested) for t in a)
     if nested and isinstance(a, torch.Tensor):
         return _without_tangent(a, level)
+    return a
+
+
+def _primal_of_others(a: Any, cls) -> Any:
+    """An inner argument of grad level ``cls``'s op (a list of them), with any plain
+    tensor's tangent dropped (see :func:`_without_tangent`): a jvp level inside made it."""
+    if type(a) in (list, tuple):
+        return type(a)(_primal_of_others(t, cls) for t in a)
+    if type(a) is torch.Tensor:
+        return _without_tangent(a, fwAD._current_level)
     return a
 
 
@@ -1008,8 +1027,7 @@ def jvp_level(name: str = "jvp") -> Iterator[type[LevelTensor]]:
     level = JvpLevel(name)
     cls = new_level_class(level, "DualTensor", classmethod(no_shortcuts), **_JVP_LEVEL_TENSOR)
     for outer in autodiff_classes(cls.__base__):
-        if isinstance(outer._level, JvpLevel):
-            outer._level.hosts_jvp = True
+        outer._level.hosts_jvp = True
     with (entered(cls), _inference_mode_off(), _dual_level(), predispatch.hook(),
           mha_fastpath_off):
         yield cls
