@@ -194,6 +194,29 @@ def test_nested_grad_captured_inner_variable():
     torch.testing.assert_close(outer(tl), outer(ft))
 
 
+_Y = torch.linspace(0.5, 1.5, N, dtype=DTYPE)
+# an inner reverse-mode transform of a function whose output does not depend on its own
+# input, only on the outer level's: its derivative is zero (the output answers
+# requires_grad for the outer level, which the inner one must not differentiate)
+INNER_CONSTANT = {
+    "grad of grad": lambda lib: lib.grad(
+        lambda x: lib.grad(lambda y: x.sum())(x.detach() + 0).sum())(_Y),
+    "grad of grad of the other argument": lambda lib: lib.grad(
+        lambda x, y: lib.grad(lambda x, y: x.sum(), argnums=1)(x, y).sum())(_Y, _Y.exp()),
+    "grad of hessian": lambda lib: lib.grad(
+        lambda x, y: lib.hessian(lambda x, y: (x * x).sum(), argnums=1)(x, y).sum())(
+            _Y, _Y.exp()),
+    "grad of vjp": lambda lib: lib.grad(
+        lambda x: lib.vjp(lambda y: x * 2, x)[1](torch.ones_like(x))[0].sum())(_Y),
+    "grad of jacrev": lambda lib: lib.grad(lambda x: lib.jacrev(lambda y: x * 2)(x).sum())(_Y),
+}
+
+
+@pytest.mark.parametrize("case", INNER_CONSTANT)
+def test_inner_reverse_mode_of_an_output_that_only_the_outer_level_tracks(case):
+    torch.testing.assert_close(INNER_CONSTANT[case](tl), INNER_CONSTANT[case](ft))
+
+
 def test_jvp_perturbation_confusion():
     # d/dx [x * d/dy (x + y)] = d/dx [x * 1] = 1, not 2 (Siskind & Pearlmutter)
     def outer(lib):
@@ -259,6 +282,13 @@ NESTED_FORWARD = {
         (a,), (a.cos(),)))(torch.stack([_V, _V.flip(0)])),
     "grad of jacfwd of jacfwd": lambda lib: lib.grad(
         lambda w: lib.jacfwd(lib.jacfwd(lambda z: w * z**3))(_scalar(3.0)))(_scalar(2.0)),
+    "jvp of grad of jacfwd": lambda lib: lib.jvp(lib.grad(
+        lambda y: lib.jacfwd(lambda z: z * (y**2).sum())(_V).sum()), (_V.exp(),), (_V,)),
+    "jacfwd of grad of jacfwd": lambda lib: lib.jacfwd(lib.grad(
+        lambda y: lib.jacfwd(lambda z: z * (y**2).sum())(_V).sum()))(_V.exp()),
+    "jvp of vjp of jacfwd": lambda lib: lib.jvp(lambda y: lib.vjp(
+        lambda y: lib.jacfwd(lambda z: z * y.sin().sum())(_V).sum(), y)[1](_scalar(1.0))[0],
+        (_V.exp(),), (_V,)),
     "jvp of grad of jvp": lambda lib: lib.jvp(lib.grad(
         lambda a: lib.jvp(lambda b: a * b * b, (_scalar(2.0),), (_scalar(1.0),))[0]),
         (_scalar(3.0),), (_scalar(1.0),)),
@@ -304,6 +334,31 @@ def test_forward_over_reverse_of_a_closure_returns_no_graph(case):
     total = lambda out: sum(t.sum() for t in torch.utils._pytree.tree_leaves(out))  # noqa: E731
     torch.testing.assert_close(torch.autograd.grad(total(ours), w),
                                torch.autograd.grad(total(ref), w))
+
+
+_T = torch.linspace(-0.5, 1.0, N, dtype=DTYPE)
+IN_PLACE_UNDER_TWO_VMAPS = {
+    "sin_": lambda x: (x * 1).sin_(),
+    "mul_": lambda x: (x * 1).mul_(x),
+    "exp_ of a clone": lambda x: x.clone().exp_(),
+    "margin_ranking_loss": lambda x: torch.nn.functional.margin_ranking_loss(
+        x, _Y, _T.sign()),
+    "jvp of vector_norm": lambda x: tl.jvp(torch.linalg.vector_norm, (x,), (_T,))[1],
+}
+
+
+@pytest.mark.parametrize("case", IN_PLACE_UNDER_TWO_VMAPS)
+def test_forward_mode_of_in_place_ops_under_two_vmaps_with_an_unbatched_tangent(case):
+    # the tangent, lifted to the primal's levels for in-place writes, was batched by the
+    # inner vmap alone: the outer one refused the write of batched values into it
+    f = IN_PLACE_UNDER_TWO_VMAPS[case]
+    xs = make_input(("vmap", "vmap"))
+    ours = tl.vmap(tl.vmap(lambda x: tl.jvp(f, (x,), (_T,))[1]))(xs)
+    reference = f if case != "jvp of vector_norm" else (  # a loop, without vmap
+        lambda x: ft.jvp(torch.linalg.vector_norm, (x,), (_T,))[1])
+    loop = torch.stack([torch.stack([ft.jvp(reference, (x,), (_T,))[1] for x in row])
+                        for row in xs])
+    torch.testing.assert_close(ours, loop)
 
 
 def test_nested_forward_mode_through_a_custom_function_with_a_jvp():
