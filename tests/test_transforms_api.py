@@ -1842,6 +1842,19 @@ def test_transforms_differentiate_inside_inference_mode(api, made_in_inference):
         assert_tree_close(run(tl), run(tf))
 
 
+def test_a_value_computed_under_inference_mode_inside_the_function_raises_when_saved():
+    # its history was not recorded: eager and torch.func refuse to save it for backward
+    def f(a):
+        with torch.inference_mode():
+            b = a * 3
+        return (a * b).sum()
+
+    x = torch.randn(3)
+    for lib in (tf, tl):
+        with pytest.raises(RuntimeError, match="Inference tensors cannot be saved"):
+            lib.grad(f)(x)
+
+
 # -- Python values read inside a transform --------------------------------------------
 
 PYTHON_VALUES = {  # what f reads out of its input x (of shape (2,))

@@ -229,8 +229,9 @@ class GradLevel(Level):
             try:
                 out = func(*inner_args, **inner_kwargs)
             except RuntimeError as e:  # a captured tensor made under inference_mode
-                if inplace or "Inference tensors cannot be saved" not in str(e):
-                    raise
+                if inplace or "Inference tensors cannot be saved" not in str(e) or any(
+                        type(a) is cls and a._inner.is_inference() for a in args):
+                    raise  # one made inside, by the user's inference_mode: as in eager
                 out = func(*map(_normal_arg, inner_args),
                            **{k: _normal_arg(v) for k, v in inner_kwargs.items()})
         if inplace:
