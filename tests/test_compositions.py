@@ -318,11 +318,7 @@ CLOSED_OVER = {
 }
 
 
-@pytest.mark.parametrize("case", [
-    pytest.param(case, marks=pytest.mark.xfail(
-        strict=True, reason="known: with the grad's input as the jvp's tangent, the "
-        "result still carries a graph (the values are right)"))
-    if case == "grad of jvp" else case for case in CLOSED_OVER])
+@pytest.mark.parametrize("case", CLOSED_OVER)
 def test_forward_over_reverse_of_a_closure_returns_no_graph(case):
     ours = CLOSED_OVER[case](tl, _W0)
     torch.testing.assert_close(ours, CLOSED_OVER[case](ft, _W0))

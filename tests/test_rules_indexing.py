@@ -500,10 +500,34 @@ def test_masked_select_shared_mask():
             check(torch.masked_select, [batched(randn(*shape), d), mask], (d, None))
 
 
-def test_masked_select_batched_mask_raises():
-    x, m = torch.randn(B, 4), torch.rand(B, 4) > 0.5
-    check_raises(torch.masked_select, [x, m], (0, 0), match="mask")
+def test_masked_select_batched_mask_of_different_counts_raises():
+    x = torch.randn(B, 4)
+    m = torch.tensor([[True, False, True, False], [True, True, True, False],
+                      [False, False, False, True]])
+    check_raises(torch.masked_select, [x, m], (0, 0), match="different numbers of elements")
     check_raises(torch.masked_select, [x[0], m], (None, 0), match="mask")
+
+
+def test_masked_select_batched_mask_of_equal_counts():
+    # as a loop stacks them (cross_entropy's label smoothing with class weights selects
+    # every target that is not ignored: all of them, per example)
+    m = torch.tensor([[True, False, True, False], [False, True, True, False],
+                      [True, False, False, True]])
+    for dims, x in [((0, 0), torch.randn(B, 4)), ((None, 0), torch.randn(4)),
+                    ((1, 0), torch.randn(4, B))]:
+        check(torch.masked_select, [x, m], dims, torch_func=False)
+    check(torch.masked_select, [torch.randn(B, 2, 4), m], (0, 0), torch_func=False)
+
+
+def test_cross_entropy_with_class_weights_and_label_smoothing_per_example_gradients():
+    w, cw = torch.randn(5, 6), torch.tensor([1.0, 2.0, 0.5, 3.0, 1.0])
+    x, y = torch.randn(4, 7, 6), torch.randint(0, 5, (4, 7))
+
+    def loss(w, x, y):
+        return F.cross_entropy(x @ w.T, y, weight=cw, label_smoothing=0.1)
+
+    ours = vmap_without_slow_loop(torchlevels.grad(loss), w, x, y, in_dims=(None, 0, 0))
+    assert_close(ours, torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0, 0))(w, x, y))
 
 
 @pytest.mark.parametrize("shape,mshape", [((4, 5), (4, 5)), ((4, 5), (5,)), ((5,), (4, 5))])

@@ -1237,6 +1237,31 @@ def test_per_sample_gradients_of_a_parameter_that_requires_grad_outside():
     torch.testing.assert_close(results[0], results[1])
 
 
+@pytest.mark.parametrize("layer", ["F.linear", "nn.Linear", "F.linear of a product"])
+def test_per_sample_gradients_through_linear_layers_of_weights_autograd_tracks(layer):
+    # MAML's outer step, a per-example gradient penalty: F.linear is answered whole, and
+    # its weight's leaf (a view of a weight autograd tracks) must stay in the grad level's
+    # graph too (the per-example gradients were zeros, cut from autograd outside)
+    xs = torch.randn(5, X.shape[-1], dtype=X.dtype)
+
+    def per_example_gradients(lib):
+        torch.manual_seed(0)
+        net = torch.nn.Linear(X.shape[-1], 4, dtype=X.dtype)
+        lam = torch.tensor(1.5, dtype=X.dtype, requires_grad=True)
+        if layer == "nn.Linear":
+            inputs = dict(net.named_parameters())
+            f = lambda p, x: lib.functional_call(net, p, (x,)).tanh().sum()  # noqa: E731
+        else:
+            inputs = net.weight * lam if layer == "F.linear of a product" else net.weight
+            f = lambda w, x: F.linear(x, w, net.bias).tanh().sum()  # noqa: E731
+        g = torch.utils._pytree.tree_leaves(
+            lib.vmap(lib.grad(f), in_dims=(None, 0))(inputs, xs))
+        total = sum((t ** 2).sum() for t in g)
+        return g, torch.autograd.grad(total, [net.weight, lam], allow_unused=True)
+
+    torch.testing.assert_close(per_example_gradients(tl), per_example_gradients(tf))
+
+
 def test_vmap_records_no_physical_graph_for_a_grad_levels_own_leaves():
     xs = torch.randn(5, X.shape[-1], dtype=X.dtype)
     with tl.vmap() as B, grad_level() as G:

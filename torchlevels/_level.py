@@ -413,6 +413,13 @@ def tracked_outside(t: Any) -> bool:
     return not only
 
 
+def in_level_graph(t: torch.Tensor) -> bool:
+    """Whether plain tensor ``t`` is part of a grad level's graph (a leaf it made, or a
+    result of its ops), whether or not autograd outside tracks it too (see
+    :func:`mark_level_graph`)."""
+    return getattr(t, _LEVEL_GRAPH, None) is not None
+
+
 def differentiated(*tensors: Any) -> bool:
     """Whether autograd, or a grad or jvp level, may take derivatives of an op run on
     ``tensors`` (tensors of enclosing levels, or plain ones that require grad)."""

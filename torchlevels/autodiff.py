@@ -153,7 +153,9 @@ class GradLevel(Level):
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{cls.__name__}(t): t must be a Tensor, got {type(tensor)}")
         if not isinstance(tensor, LevelTensor) and tensor.requires_grad:
-            return wrap_inner(cls, tensor.view_as(tensor))  # keeps its history for autograd outside
+            leaf = tensor.view_as(tensor)  # keeps its history for autograd outside
+            mark_level_graph(leaf, only=False)
+            return wrap_inner(cls, leaf)
         leaf = tensor.clone() if tensor.is_inference() else shallow_copy(tensor)
         _REQUIRES_GRAD_(leaf)
         if type(leaf) is torch.Tensor:

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch._ops import OpOverload
 
-from torchlevels._level import LevelTensor, requires_grad_flag, tracked_outside
+from torchlevels._level import LevelTensor, in_level_graph, requires_grad_flag, tracked_outside
 from torchlevels.batching.dims import pad_to_rank, to_front
 from torchlevels.batching.predispatch import intercept, passed_by
 from torchlevels.batching.registry import is_composite
@@ -68,11 +68,12 @@ def _recorded_on(args: tuple) -> bool:
     """Whether autograd records ops on these arguments themselves, not only on the
     physical tensors under them: a tensor of a level that requires grad (a grad level runs
     whole calls on its inner tensors, grad_shortcuts.py), or a plain tensor that requires
-    grad only for a grad level's graph. A composite rule computes beneath them, so it would
-    hide the op from that record; decomposed, each piece is recorded."""
+    grad for a grad level's graph (also when autograd outside tracks it: a grad level's
+    leaf of an input that requires grad). A composite rule computes beneath them, so it
+    would hide the op from that record; decomposed, each piece is recorded."""
     return torch.is_grad_enabled() and any(
         isinstance(t, torch.Tensor) and requires_grad_flag(t)
-        and (isinstance(t, LevelTensor) or not tracked_outside(t))
+        and (isinstance(t, LevelTensor) or in_level_graph(t) or not tracked_outside(t))
         for a in args for t in (a if isinstance(a, (list, tuple)) else (a,)))
 
 
@@ -82,7 +83,8 @@ def composite_rule(*ops):
     def deco(rule):
         def handler(op, args, kwargs):
             if _recording.get() or _recorded_on(args):
-                return op.decompose(*args, **kwargs)
+                return passed_by(op, args, kwargs)  # decomposed by the dispatcher, each
+                # piece recorded by autograd on these tensors
             cls = _deepest_level(args)
             if cls is None or not cls._level.alive or not hasattr(cls._level, "composite"):
                 return passed_by(op, args, kwargs)

@@ -369,14 +369,21 @@ def _check_convertible(values: torch.Tensor, dtype: torch.dtype) -> None:
 
 @register(aten.masked_select.default)
 def masked_select(func, args, dims, kwargs):
-    """masked_select with a shared mask; a batched mask gives data-dependent shapes."""
+    """masked_select with a shared mask; with a batched mask, only where every example
+    selects as many elements (shapes otherwise differ per example), as a loop stacks them."""
     self, mask = args
     if dims[1] is not None:
-        raise RuntimeError(
-            "vmap: Attempted to vmap over `mask` in torch.masked_select(self, mask). We cannot "
-            "support this because for each example this would return a differently shaped "
-            "Tensor."
-        )
+        x, mask = _broadcast_with_mask(self, mask, dims, batch_size(args, dims))
+        if x.dim() == 1:  # 0-dim examples: one element each
+            x, mask = x.unsqueeze(1), mask.unsqueeze(1)
+        counts = mask.flatten(1).sum(1)
+        if x.shape[0] and bool((counts != counts[0]).any()):
+            raise RuntimeError(
+                "vmap: Attempted to vmap over `mask` in torch.masked_select(self, mask), and "
+                "the examples select different numbers of elements, so each would return a "
+                "differently shaped Tensor. Use torch.where(mask, self, 0) instead, which keeps "
+                "the shape.")
+        return x[mask].view(x.shape[0], -1), 0
     x = to_front(self, dims[0])
     rank = max(x.dim() - 1, mask.dim(), 1)  # a 0-dim example is a 1-element one
     shape = torch.broadcast_shapes(x.shape[1:], mask.shape, (1,) * rank)

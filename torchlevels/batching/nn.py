@@ -533,8 +533,8 @@ def _nll_setup(args, dims, size):
     safe = target.masked_fill(~keep, 0)
     if weight is None:
         w = keep.to(x.dtype)
-    elif dims[2] is None:
-        w = weight[safe] * keep
+    elif dims[2] is None:  # (gather: torch's RuntimeError for a target out of range)
+        w = weight.gather(0, safe.flatten()).view_as(safe) * keep
     else:
         w = to_front(weight, dims[2]).gather(1, safe.reshape(size, -1)).view_as(safe) * keep
     return x, class_dim, keep, safe.unsqueeze(class_dim), w
