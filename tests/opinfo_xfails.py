@@ -30,9 +30,6 @@ XFAILS: dict[str, str] = {
     "index_put": (
         "both: a batched boolean mask gives a data-dependent shape"
     ),
-    "masked_select": (
-        "both: a batched mask gives a data-dependent shape"
-    ),
     **_each(
         "both: data-dependent Python value (.item()) read from a batched tensor",
         "narrow", "nn.functional.gaussian_nll_loss",
@@ -55,8 +52,7 @@ SLOW_LOOP_XFAILS: dict[str, str] = {}
 # functions do; in-place variants (``.inplace``) as below.
 VARIANT_XFAILS: dict[str, str] = {
     **{f"{op}.method": XFAILS[op] for op in (
-        "as_strided", "as_strided.partial_views", "index_put", "masked_select", "narrow",
-        "tensor_split")},
+        "as_strided", "as_strided.partial_views", "index_put", "narrow", "tensor_split")},
     **{f"{op}.inplace": XFAILS[op] for op in (
         "as_strided", "as_strided.partial_views", "index_put", "resize_")},
     "addbmm.inplace": (
