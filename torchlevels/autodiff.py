@@ -953,8 +953,10 @@ def _tracked_by_autograd(cls, args: tuple) -> bool:
 
 def _shapes_only(args: tuple) -> bool:
     """Whether the op's first tensor argument is a meta tensor."""
-    first = next((a for a in args if isinstance(a, torch.Tensor)), None)
-    return first is not None and first.is_meta
+    for a in args:  # (every op of a grad level asks: no generator)
+        if isinstance(a, torch.Tensor):
+            return a.is_meta
+    return False
 
 
 def _from_dual(cls, out: Any, level: int) -> Any:
