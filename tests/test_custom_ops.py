@@ -136,6 +136,37 @@ def test_grad_through_the_rule_uses_the_registered_backward():
     torch.testing.assert_close(g, _loop(per_example, x))
 
 
+@torch.library.custom_op("tltest::exp_saving_output", mutates_args=())
+def exp_saving_output(x: torch.Tensor) -> torch.Tensor:
+    return x.exp()
+
+
+@exp_saving_output.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+def _exp_setup(ctx, inputs, output):
+    ctx.save_for_backward(output)  # the output: its derivative is the op again
+
+
+exp_saving_output.register_autograd(lambda ctx, g: g * ctx.saved_tensors[0],
+                                    setup_context=_exp_setup)
+
+
+@pytest.mark.parametrize("op", ["exp_saving_output", "np_sin_cos"])
+def test_second_derivatives_differentiate_the_registered_backward(op):
+    # the levels around the op's node record its forward (PyTorch's apply ran it with grad
+    # mode off: a grad level around took the saved output as a constant, a zero Hessian)
+    f = ((lambda t: (exp_saving_output(t) ** 2).sum()) if op == "exp_saving_output" else
+         (lambda t: (np_sin_cos(t, 3.0)[0] * t).sum()))
+    x = torch.randn(3, dtype=torch.float64)
+    expected = torch.autograd.functional.hessian(f, x)
+    torch.testing.assert_close(tl.hessian(f)(x), expected)
+    torch.testing.assert_close(tl.jacrev(tl.grad(f))(x), expected)
+    torch.testing.assert_close(tl.vmap(tl.hessian(f))(x.expand(2, 3)), expected.expand(2, 3, 3))
+
+
 def test_jvp_refuses_a_custom_op_instead_of_a_silent_zero():
     x = torch.randn(3, dtype=torch.float64)
     with pytest.raises(NotImplementedError, match="tltest.np_exp.default is a torch.library "

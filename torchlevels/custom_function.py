@@ -60,8 +60,8 @@ def _apply(fn: type[Function], *args: Any, **kwargs: Any) -> Any:
     if fn.setup_context is _SingleLevelFunction.setup_context:
         if fn.__module__.startswith("torch._library."):
             # a torch.library custom op's autograd kernel, applied inside the dispatcher
-            # to the tensors of enclosing levels: they see its ops
-            return _pytorch_apply(fn, *args, **kwargs)
+            # to the tensors of enclosing levels: they see its ops, and record them
+            return _pytorch_apply(_recorded_outside(fn), *args, **kwargs)
         hint = (" torch.utils.checkpoint works in transforms with use_reentrant=False."
                 if fn.__module__ == "torch.utils.checkpoint" else "")
         raise RuntimeError(
@@ -81,6 +81,26 @@ def _apply(fn: type[Function], *args: Any, **kwargs: Any) -> Any:
     if isinstance(level, BatchLevel):
         return _vmap_rule(cls, fn, args, kwargs)
     return _pytorch_apply(fn, *args, **kwargs)  # a level with no rule: forward's ops
+
+
+_RECORDED_OUTSIDE: dict[type, type] = {}  # one per custom op (each lives for the process)
+
+
+def _recorded_outside(fn: type[Function]) -> type[Function]:
+    """A custom op's generated autograd Function whose forward runs with grad mode on.
+    PyTorch's apply turns it off for the forward, so the levels around the one whose
+    node this is (which the op reaches, below autograd) would not record it: a grad
+    level around would take the op's output as a constant (a zero Hessian). The op's
+    kernel runs only where grad mode is on and an argument requires grad."""
+    wrapped = _RECORDED_OUTSIDE.get(fn)
+    if wrapped is None:
+        def forward(ctx, *args):
+            with torch.enable_grad():
+                return fn.forward(ctx, *args)
+
+        wrapped = type(fn.__name__, (fn,), {"forward": staticmethod(forward)})
+        _RECORDED_OUTSIDE[fn] = wrapped
+    return wrapped
 
 
 def install() -> None:
