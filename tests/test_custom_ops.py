@@ -167,6 +167,30 @@ def test_second_derivatives_differentiate_the_registered_backward(op):
     torch.testing.assert_close(tl.vmap(tl.hessian(f))(x.expand(2, 3)), expected.expand(2, 3, 3))
 
 
+@torch.library.custom_op("tltest::cos_batch_last", mutates_args=())
+def cos_batch_last(x: torch.Tensor) -> torch.Tensor:
+    return x.cos()
+
+
+@cos_batch_last.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+@cos_batch_last.register_vmap
+def _(info, in_dims, x):  # the batch dim last, given as -1 (torch.func takes that)
+    return cos_batch_last(x.movedim(in_dims[0], 0)).movedim(0, -1), -1
+
+
+def test_a_rule_may_give_a_negative_out_dim():
+    x = torch.randn(4, 3, 2)
+    torch.testing.assert_close(tl.vmap(tl.vmap(cos_batch_last))(x), x.cos())
+    torch.testing.assert_close(tl.vmap(lambda t: cos_batch_last(t).reshape(-1))(x),
+                               x.cos().reshape(4, -1))
+    torch.testing.assert_close(tl.vmap(lambda t: cos_batch_last(t).movedim(0, 1))(x),
+                               x.cos().movedim(1, 2))
+
+
 def test_jvp_refuses_a_custom_op_instead_of_a_silent_zero():
     x = torch.randn(3, dtype=torch.float64)
     with pytest.raises(NotImplementedError, match="tltest.np_exp.default is a torch.library "

@@ -286,7 +286,10 @@ def _pointwise_fast_path(cls, func, args, kwargs):
 
 
 def wrap_batched(cls, inner: torch.Tensor, bdim: int) -> torch.Tensor:
-    """A tensor of vmap level ``cls`` whose batch dim is ``bdim`` of ``inner``."""
+    """A tensor of vmap level ``cls`` whose batch dim is ``bdim`` of ``inner`` (a negative
+    one counts from the end, as a rule may give it)."""
+    if bdim < 0:
+        bdim += inner.dim()
     out = new_wrapper(cls, inner, bdim)
     out._inner = inner
     out._bdim = bdim
@@ -331,6 +334,7 @@ def _zeros(zero: torch.Tensor) -> torch.Tensor:
 
 def _rewrap_inplace(self: torch.Tensor, inner: torch.Tensor, bdim: int) -> None:
     """Point the batched ``self`` at ``inner``, updating its logical shape in place."""
+    bdim %= inner.dim()
     self._inner = inner
     self._bdim = bdim
     shape, strides = inner.shape, inner.stride()
