@@ -10,6 +10,7 @@ the graph skips that Python, which is where the per-op overhead of levels goes.
 from __future__ import annotations
 
 import contextlib
+import math
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -169,7 +170,8 @@ class CompiledFunction:
             flat, spec = args, len(args)  # the common case, without pytree's cost (~40 us)
         else:
             flat, spec = tree_flatten((args, kwargs))
-        key = (spec, torch.is_grad_enabled(), _aliasing(flat), *(_signature(a) for a in flat))
+        key = (spec, torch.is_grad_enabled(), _autocast(), _aliasing(flat),
+               *(_signature(a) for a in flat))
         traces = self.cache.setdefault(key, [])
         entry = next((t for t in traces if t.holds(flat)), None)
         if entry is not None:
@@ -244,8 +246,30 @@ def _backend(gm: GraphModule, backend: str | Callable | None, inputs: list) -> C
         # straight to inductor: the cache above already guards, so no dynamo guards per call
         from torch._inductor.compile_fx import compile_fx
 
-        return compile_fx(gm, inputs)
+        return _with_constant_outputs(gm, lambda g: compile_fx(g, inputs))
     return torch.compile(gm, backend=backend)
+
+
+def _with_constant_outputs(gm: GraphModule, compile_graph: Callable) -> Callable:
+    """``compile_graph`` of ``gm`` made to return its tensor outputs alone (inductor takes
+    no others), run with its other outputs (numbers, strings: constants of the trace) put
+    back in their places."""
+    (output,) = (n for n in gm.graph.nodes if n.op == "output")
+    outs = list(output.args[0])
+    nodes = [k for k, o in enumerate(outs) if isinstance(o, torch.fx.Node)]
+    if len(nodes) == len(outs):
+        return compile_graph(gm)
+    output.args = ([outs[k] for k in nodes],)
+    gm.recompile()
+    run = compile_graph(gm)
+
+    def replay(*args: Any) -> list:
+        filled = list(outs)
+        for k, value in zip(nodes, run(*args)):
+            filled[k] = value
+        return filled
+
+    return replay
 
 
 def _aliasing(flat: Sequence) -> tuple[int, ...] | None:
@@ -272,13 +296,23 @@ def _signature(a: Any) -> Any:
         ) from None
     if isinstance(a, (float, complex)) and a != a:  # NaN, as a key, equals no NaN
         return (type(a), "nan")
+    if isinstance(a, float):  # -0.0 == 0.0, but 1 / -0.0 is not 1 / 0.0
+        return (float, a, math.copysign(1.0, a))
+    if isinstance(a, complex):
+        return (complex, a, math.copysign(1.0, a.real), math.copysign(1.0, a.imag))
     return (type(a), a)
+
+
+def _autocast() -> tuple:
+    """The autocast state a trace holds (its ops' dtypes), on the devices that have one."""
+    return tuple((torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))
+                 for d in ("cpu", "cuda") if torch.is_autocast_enabled(d))
 
 
 def compile(func: Callable, backend: str | Callable | None = None) -> Callable:
     """``f`` traced once per input signature (the pytree structure, each tensor's shape,
     strides, dtype, device and requires_grad, which tensor arguments are the same object,
-    every other argument's value, grad mode; storage offsets too for a graph with an
+    every other argument's value, grad mode, autocast; storage offsets too for a graph with an
     ``as_strided`` view) and replayed from the cached graph: the ops of
     ``f`` with none of the Python per op.
 
