@@ -77,3 +77,46 @@ def batched(shape, dim):
 def test_matvec(doc, in_dims):
     a, v = batched((4, 3), in_dims[0]), batched((3,), in_dims[1])
     check(doc["matvec"], a, v, in_dims=in_dims)
+
+
+USERS_RULES = """
+import torch, torch.nn.functional as F, torchlevels
+from torchlevels.batching.dims import to_front
+from torchlevels.batching.registry import register_family
+aten, calls = torch.ops.aten, []
+
+def logged(name):
+    def rule(func, args, dims, kwargs):
+        calls.append(name)
+        return func(to_front(args[0], dims[0]), *args[1:], **kwargs), 0
+    return rule
+
+def packet_sum(func, args, dims, kwargs):
+    calls.append("sum")
+    x = to_front(args[0], dims[0])
+    return (x.flatten(1).sum(1) if func is aten.sum.default else
+            func(x, [d % (x.dim() - 1) + 1 for d in args[1]], *args[2:], **kwargs)), 0
+
+torchlevels.register_batching_rule(aten.sum)(packet_sum)  # the library has sum.default's
+torchlevels.register_batching_rule(aten.linear.default)(logged("linear"))  # composite ops
+torchlevels.register_batching_rule(aten.layer_norm.default)(logged("layer_norm"))
+register_family("mine", lambda op: op is aten.sin.default, logged("sin"))  # before pointwise
+x, w = torch.randn(4, 5, 3), torch.randn(2, 3)
+for f in (lambda t: t.sum(), lambda t: F.linear(t, w), lambda t: F.layer_norm(t, (3,)),
+          torch.sin):
+    torch.testing.assert_close(torchlevels.vmap(f)(x), torch.stack([f(t) for t in x]))
+print(calls)
+"""
+
+
+def test_users_rules_win_over_the_librarys_as_documented():
+    # a packet's rule over the library's rules for its overloads, a composite op's rule
+    # before PyTorch decomposes it, a user's family before the library's (in a process of
+    # its own: the registrations stay for the process)
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", USERS_RULES], capture_output=True, text=True,
+                         timeout=300, cwd=DOC.parents[1])
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "['sum', 'linear', 'layer_norm', 'sin']"

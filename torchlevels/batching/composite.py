@@ -17,7 +17,7 @@ from torch._ops import OpOverload
 from torchlevels._level import LevelTensor, in_level_graph, requires_grad_flag, tracked_outside
 from torchlevels.batching.dims import pad_to_rank, to_front
 from torchlevels.batching.predispatch import intercept, passed_by
-from torchlevels.batching.registry import is_composite
+from torchlevels.batching.registry import is_composite, registered_rule
 
 aten = torch.ops.aten
 
@@ -88,7 +88,8 @@ def composite_rule(*ops):
             cls = _deepest_level(args)
             if cls is None or not cls._level.alive or not hasattr(cls._level, "composite"):
                 return passed_by(op, args, kwargs)
-            return cls._level.composite(cls, op, rule, args, kwargs)
+            users = registered_rule(op)  # a user's rule for the op wins over the library's
+            return cls._level.composite(cls, op, users or rule, args, kwargs)
 
         for op in ops:
             intercept(op, handler)

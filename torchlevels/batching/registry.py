@@ -82,7 +82,13 @@ def register(
 
     def deco(rule: Rule) -> Rule:
         for op in ops:
+            if _builtins_loaded and isinstance(op, OpOverloadPacket):
+                # the user's rule for the packet wins over the library's for its overloads
+                for known in [k for k in _own if getattr(k, "overloadpacket", None) is op]:
+                    del _own[known]
             _own[op] = (rule, takes_level, keyword_dims)
+            if _builtins_loaded:
+                _see_before_decomposition(op)
         resolved_by_id.clear()
         if _builtins_loaded and any(_namespace(op) == "aten" for op in ops):
             shortcuts.switch_off()  # the user's rule must see every call of the op
@@ -97,12 +103,50 @@ def _namespace(op: OpOverload | OpOverloadPacket) -> str:
     return name.split("::")[0]
 
 
+def _see_before_decomposition(op: OpOverload | OpOverloadPacket) -> None:
+    """A composite op's rule runs before PyTorch decomposes it (a level never sees the op
+    itself, only its pieces): as the library's rules for ``linear`` and ``matmul`` do."""
+    from torchlevels.batching import composite  # (it registers rules itself)
+
+    overloads = ([getattr(op, name) for name in op.overloads()]
+                 if isinstance(op, OpOverloadPacket) else [op])
+    for overload in overloads:
+        if is_composite(overload) and overload not in composite.composite_ops():
+            composite.composite_rule(overload)(_own_rule_of)
+
+
+def _own_rule_of(func: OpOverload, args: tuple, dims: tuple, kwargs: dict) -> Any:
+    """The own rule registered for composite ``func`` (see composite.py), if one still is
+    (else it decomposes)."""
+    rule = registered_rule(func)
+    return NotImplemented if rule is None else rule(func, args, dims, kwargs)
+
+
+def registered_rule(func: OpOverload) -> Rule | None:
+    """The own rule registered for ``func`` or its packet (the library registers none
+    for composite ops: the rules of those it batches whole live in composite.py)."""
+    own = _own.get(func) or _own.get(func.overloadpacket)
+    if own is None:
+        return None
+    if own[1]:
+        raise NotImplementedError(f"{func}: a rule for a composite op cannot take the level")
+    return own[0]
+
+
+_user_families = 0  # how many of the families at the front are users'
+
+
 def register_family(name: str, applies: Callable[[OpOverload], bool], rule: Rule) -> None:
-    """Register a rule for every op for which ``applies(op)`` holds (first match wins)."""
-    _families.append((name, applies, rule))
-    resolved_by_id.clear()
+    """Register a rule for every op for which ``applies(op)`` holds (first match wins; the
+    user's families, registered after the library's, are tried before them)."""
+    global _user_families
     if _builtins_loaded:
+        _families.insert(_user_families, (name, applies, rule))
+        _user_families += 1
         shortcuts.switch_off()
+    else:
+        _families.append((name, applies, rule))
+    resolved_by_id.clear()
 
 
 _builtins_loaded = False
