@@ -233,6 +233,29 @@ def test_a_rule_that_returns_the_wrong_shape_of_answer_is_named():
         tl.vmap(np_pair)(torch.randn(2, 3))
 
 
+def test_a_registered_rule_that_answers_wrongly_is_named():
+    # register_batching_rule's rules are checked as register_vmap's are, and for the batch
+    @torch.library.custom_op("tltest::twice_thrice", mutates_args=())
+    def twice_thrice(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x * 2, x * 3
+
+    twice_thrice.register_fake(lambda x: (torch.empty_like(x), torch.empty_like(x)))
+    op, x = torch.ops.tltest.twice_thrice.default, torch.randn(4, 3)
+    bad_rules = {
+        "must return a pair.*got list": lambda f, a, d, k: list(f(a[0])),
+        "returned 1 output.*the op returns 2": lambda f, a, d, k: ((f(a[0])[0],), (0,)),
+        r"output 1 of shape \(2, 3\).*not a batch of the 4 examples": (
+            lambda f, a, d, k: ((f(a[0])[0], f(a[0])[1][:2]), 0)),
+        "output 0 .* out_dim 5": lambda f, a, d, k: (f(a[0]), (5, 0)),
+    }
+    for message, rule in bad_rules.items():
+        tl.register_batching_rule(op)(rule)
+        with pytest.raises(RuntimeError, match=message):
+            tl.vmap(twice_thrice)(x)
+    tl.register_batching_rule(op)(lambda f, a, d, k: (f(a[0]), (d[0], d[0])))
+    torch.testing.assert_close(tl.vmap(twice_thrice, in_dims=1)(x.t()), (x * 2, x * 3))
+
+
 def test_jvp_refuses_a_prim_instead_of_a_silent_zero():
     with pytest.raises(NotImplementedError, match="prims such as prims.sin.default"):
         tl.jacfwd(torch.ops.prims.sin.default)(torch.randn(3, dtype=torch.float64))

@@ -81,12 +81,13 @@ def register(
     """
 
     def deco(rule: Rule) -> Rule:
+        used = _checked(rule, takes_level) if _builtins_loaded else rule  # a user's
         for op in ops:
             if _builtins_loaded and isinstance(op, OpOverloadPacket):
                 # the user's rule for the packet wins over the library's for its overloads
                 for known in [k for k in _own if getattr(k, "overloadpacket", None) is op]:
                     del _own[known]
-            _own[op] = (rule, takes_level, keyword_dims)
+            _own[op] = (used, takes_level, keyword_dims)
             if _builtins_loaded:
                 _see_before_decomposition(op)
         resolved_by_id.clear()
@@ -101,6 +102,20 @@ def _namespace(op: OpOverload | OpOverloadPacket) -> str:
     """``"aten"`` for ``aten.sin`` and ``aten.sin.default`` alike."""
     name = op.name() if isinstance(op, OpOverload) else op._qualified_op_name
     return name.split("::")[0]
+
+
+def _checked(rule: Rule, takes_level: bool) -> Rule:
+    """A user's ``rule`` whose answers are checked (:func:`checked_result`)."""
+    name = "the batching rule registered"
+    if takes_level:
+        def checked(level, func, args, dims, kwargs, **kw):
+            result = rule(level, func, args, dims, kwargs, **kw)
+            return checked_result(func, result, level.batch_size, name)
+    else:
+        def checked(func, args, dims, kwargs, **kw):
+            size = batch_size(args, dims, kwargs, kw.get("kw_dims"))
+            return checked_result(func, rule(func, args, dims, kwargs, **kw), size, name)
+    return functools.wraps(rule)(checked)
 
 
 def _see_before_decomposition(op: OpOverload | OpOverloadPacket) -> None:
@@ -401,19 +416,38 @@ def _custom_op_rule(level: Any, func: OpOverload, args: tuple, dims: tuple,
     rule = _maybe_get_opdef(func)._vmap_fn
     in_dims = tuple(list(d) if isinstance(d, tuple) else d for d in dims)
     result = rule(VmapInfo(level.batch_size, level.randomness), in_dims, *args, **kwargs)
+    return checked_result(func, result, level.batch_size, "the vmap rule registered")
+
+
+def checked_result(func: OpOverload, result: Any, size: int, rule: str) -> tuple[Any, Any]:
+    """A user's rule's ``(output, out_dims)``, checked: a pair, one out_dim per output (or
+    one for all), each batched output a batch of ``size`` examples along its out_dim."""
     if not (isinstance(result, tuple) and len(result) == 2):
         raise RuntimeError(
-            f"vmap: the vmap rule registered for {func} must return a pair (output, out_dims); "
+            f"vmap: {rule} for {func} must return a pair (output, out_dims); "
             f"got {type(result).__name__}."
         )
     out, out_dims = result
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    returns = len(func._schema.returns)
+    if returns > 1 and len(outs) != returns:
+        raise RuntimeError(f"vmap: {rule} for {func} returned {len(outs)} output(s); the op "
+                           f"returns {returns}.")
     if isinstance(out_dims, (tuple, list)):
         if not isinstance(out, (tuple, list)) or len(out) != len(out_dims):
             raise RuntimeError(
-                f"vmap: the vmap rule registered for {func} returned out_dims={out_dims!r}, "
-                "which does not match its output: give one out_dim per output, or a single int."
+                f"vmap: {rule} for {func} returned out_dims={out_dims!r}, which does not "
+                "match its output: give one out_dim per output, or a single int."
             )
         out_dims = tuple(out_dims)
+    for k, (o, d) in enumerate(zip(outs, out_dims if isinstance(out_dims, tuple)
+                                   else (out_dims,) * len(outs))):
+        if d is not None and isinstance(o, torch.Tensor) and (
+                not -o.dim() <= d < o.dim() or o.shape[d] != size):
+            raise RuntimeError(
+                f"vmap: {rule} for {func} returned output {k} of shape {tuple(o.shape)} with "
+                f"out_dim {d}, which is not a batch of the {size} examples along that dim."
+            )
     return out, out_dims
 
 
