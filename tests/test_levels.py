@@ -3,6 +3,7 @@
 import asyncio
 import contextvars
 import gc
+import sys
 import threading
 import tracemalloc
 
@@ -393,6 +394,21 @@ def test_threads_run_vmap_concurrently():
     for out, expected in results.values():
         torch.testing.assert_close(out, expected)
     assert set(results) == {"a", "b"}
+
+
+def test_a_user_levels_escape_names_where_it_was_entered():
+    from torchlevels import ForwardingLevel, enter_level
+
+    class Named(ForwardingLevel):
+        def __init__(self):
+            super().__init__()  # not this line
+
+    level, kept = Named(), []
+    with enter_level(level, "N") as N:  # this one
+        kept.append(N(torch.ones(2)))
+    line = sys._getframe().f_lineno - 2
+    with pytest.raises(EscapedTensorError, match=rf"test_levels.py:{line}\)"):
+        kept[0] + 1
 
 
 def test_threads_run_forward_mode_concurrently():

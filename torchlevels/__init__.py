@@ -11,6 +11,7 @@ from torchlevels._level import (
     Level,
     LevelTensor,
     UnrelatedLevelsError,
+    autograd_on,
     enter_level,
 )
 from torchlevels.autodiff import grad_level, jvp_level
@@ -47,6 +48,7 @@ __all__ = [
     "LevelTensor",
     "UnrelatedLevelsError",
     "VmapInfo",
+    "autograd_on",
     "compile",
     "count_flops",
     "debug_unwrap",

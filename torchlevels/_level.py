@@ -261,7 +261,30 @@ class LevelTensor(torch.Tensor):
 class autograd_on:  # lower case: used like a function, `with autograd_on():`
     """Inside ``__torch_dispatch__``: the dispatch keys as the user set them when the op
     was called (PyTorch's TLS snapshot), so that autograd and forward AD record the op run
-    on inner tensors, for every level outside this one to differentiate.
+    on inner tensors, for every level outside this one to differentiate. A level's
+    ``dispatch`` runs its ops under it for autograd outside to see them
+    (docs/writing-a-transform.md).
+
+    Example (a level that only passes ops on; ``ForwardingLevel`` does this for you)::
+
+        >>> import torch
+        >>> from torchlevels import Level, autograd_on, enter_level
+        >>> class PassOn(Level):
+        ...     def wrap(self, cls, t):
+        ...         out = torch.Tensor._make_wrapper_subclass(cls, t.shape, dtype=t.dtype)
+        ...         out._inner = t
+        ...         return out
+        ...     def unwrap(self, cls, t):
+        ...         return t._inner if type(t) is cls else t
+        ...     def dispatch(self, cls, func, args, kwargs):
+        ...         with autograd_on():  # without it, x's graph would stop here
+        ...             out = func(*(self.unwrap(cls, a) for a in args), **kwargs)
+        ...         return self.wrap(cls, out)
+        >>> x = torch.ones(2, requires_grad=True)
+        >>> with enter_level(PassOn()) as L:
+        ...     y = L.unwrap(L(x).sin()).sum()
+        >>> torch.autograd.grad(y, x)[0].allclose(x.cos())
+        True
 
     PyTorch takes the snapshot below autograd for an op with Python kernels that make_fx's
     Python dispatcher runs (``ones_like`` under ``trace``): autograd's keys, and the
@@ -572,6 +595,7 @@ def enter_level(level: Level, name: str = "LevelTensor") -> Iterator[type[LevelT
         ...     L.unwrap(y)
         tensor([3., 3.])
     """
+    level.where = _user_frame()  # where it is entered (not where the user's class made it)
     with entered(new_level_class(level, name)) as cls:
         yield cls
 
