@@ -19,6 +19,7 @@ import math
 
 import torch
 
+from torchlevels._level import LevelTensor
 from torchlevels.batching.dims import (
     logical_rank,
     logical_shape,
@@ -355,7 +356,10 @@ def masked_fill(func, args, dims, kwargs):
 def _check_convertible(values: torch.Tensor, dtype: torch.dtype) -> None:
     """Raise torch's error if a fill value among ``values`` overflows ``dtype``, as each
     example's fill would (its value read as a number): the values that overflow form no
-    interval inside one, so checking the least and the greatest is enough."""
+    interval inside one, so checking the least and the greatest is enough. The values
+    are read under the levels outside this one (nested vmap), where every example's are."""
+    while isinstance(values, LevelTensor):
+        values = values._inner
     if values.is_complex():
         if dtype.is_complex:
             return
