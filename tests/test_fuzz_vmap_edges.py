@@ -40,3 +40,25 @@ def test_nested_vmap_masked_fill_value_that_overflows_raises_as_torch_func():
         func_vmap(func_vmap(f, in_dims=(0, None)), in_dims=(1, None))(values, x)
     with pytest.raises(RuntimeError, match="overflow"):
         nested(values, x)
+
+
+def loop(f, in_dims, *args):
+    """The reference: f on each example, stacked."""
+    size = next(a.shape[d] for a, d in zip(args, in_dims) if d is not None)
+    return torch.stack([f(*(a if d is None else a.select(d, i) for a, d in zip(args, in_dims)))
+                        for i in range(size)])
+
+
+@pytest.mark.parametrize("f", [
+    lambda s, v: torch.copysign(v, s),
+    lambda s, v: v / s,
+    lambda s, v: torch.atan2(s, v),
+    lambda s, v: torch.xlogy(v, s),
+], ids=["copysign", "div", "atan2", "xlogy"])
+def test_int_to_float_ops_with_batched_signed_scalars_and_an_unsigned_vector(f):
+    # each example: an int8 0-dim tensor and a uint8 vector, computed in float32 (torch.func
+    # casts the -3 to the vector's uint8 first: 253)
+    scalars = torch.tensor([-3, 2, -5], dtype=torch.int8)
+    vectors = torch.tensor([[1, 253, 3], [4, 0, 9]], dtype=torch.uint8)
+    assert_close(vmap(f, in_dims=(0, 1))(scalars, vectors), loop(f, (0, 1), scalars, vectors),
+                 equal_nan=True)

@@ -60,7 +60,9 @@ def pointwise_rule(func, args, dims, kwargs):
         example = func(*logical, **kwargs)
     except NotImplementedError:  # no meta kernel
         example = None
-    out = broadcasting(func, _promote_batched_scalars(func, phys, dims, logical), kwargs)
+    out_dtype = example.dtype if isinstance(example, torch.Tensor) else None
+    out = broadcasting(func, _promote_batched_scalars(func, phys, dims, logical, out_dtype),
+                       kwargs)
     if isinstance(example, torch.Tensor) and out.dtype != example.dtype:
         out = out.to(example.dtype)  # an op that keeps one input's dtype (masked_fill)
     return out, 0
@@ -88,7 +90,7 @@ def _broadcast(args) -> list:
     return [next(tensors) if isinstance(a, torch.Tensor) else a for a in args]
 
 
-def _promote_batched_scalars(func, phys, dims, logical):
+def _promote_batched_scalars(func, phys, dims, logical, out_dtype):
     """Cast batched 0-dim tensors to the dtype the unbatched op's inputs promote to.
 
     Physically a batched 0-dim tensor has a dim, so it would take part in type promotion
@@ -96,10 +98,15 @@ def _promote_batched_scalars(func, phys, dims, logical):
     result dtype, not the computation dtype (float32 for bfloat16 inputs): the kernel
     computes in that itself. A float "scalar" in a complex result takes the result's real
     dtype (float64 "scalar" * complex64 vector is complex64). An in-place op's ``self``
-    keeps its dtype: it is written.
+    keeps its dtype: it is written. An op that computes integers as floats (div, atan2)
+    casts each straight to its float dtype ``out_dtype``: an int8 -3 "scalar" is not made
+    the 253 of a uint8 vector's dtype on the way.
     """
     _, dtype = elementwise_dtypes(*(t for t in logical if isinstance(t, torch.Tensor)),
                                   type_promotion_kind=DEFAULT_PROMOTION)
+    if out_dtype is not None and out_dtype.is_floating_point and not (
+            dtype.is_floating_point or dtype.is_complex):
+        dtype = out_dtype
     written = writes_first_argument(func)
     return [
         _as_scalar_of(p, dtype) if (d is not None and t.dim() == 0
