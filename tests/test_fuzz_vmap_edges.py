@@ -62,3 +62,13 @@ def test_int_to_float_ops_with_batched_signed_scalars_and_an_unsigned_vector(f):
     vectors = torch.tensor([[1, 253, 3], [4, 0, 9]], dtype=torch.uint8)
     assert_close(vmap(f, in_dims=(0, 1))(scalars, vectors), loop(f, (0, 1), scalars, vectors),
                  equal_nan=True)
+
+
+def test_contiguous_of_a_batch_of_no_examples_is_contiguous():
+    def f(x):
+        y = x.mT.contiguous()
+        assert y.is_contiguous()
+        return torch.view_as_complex(y)  # needs a last dim of stride 1
+
+    x = torch.randn(0, 2, 3)
+    assert_close(vmap(f)(x), func_vmap(f)(x))

@@ -776,7 +776,12 @@ def contiguous(cls, func, args, kwargs):
     if inner is None or len(given) > 2 or given.get(
             "memory_format", torch.contiguous_format) is not torch.contiguous_format:
         return None
-    return args[0] if args[0].is_contiguous() else wrap_front(cls, _call(func, (inner,), {}))
+    if args[0].is_contiguous():
+        return args[0]
+    out = _call(func, (inner,), {})
+    if out is inner:  # a batch of no examples: torch keeps an empty tensor's strides
+        out = inner.clone(memory_format=torch.contiguous_format)
+    return wrap_front(cls, out)
 
 
 def flip(cls, func, args, kwargs):
