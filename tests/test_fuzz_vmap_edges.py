@@ -72,3 +72,13 @@ def test_contiguous_of_a_batch_of_no_examples_is_contiguous():
 
     x = torch.randn(0, 2, 3)
     assert_close(vmap(f)(x), func_vmap(f)(x))
+
+
+def test_nested_vmap_inner_batch_of_no_examples_keeps_the_outer_batch_for_writes():
+    def f(x, y):
+        z = x.clone()  # computed for no examples: still batched at the outer level
+        z[..., :1] = y[..., :1]
+        return z + x
+
+    x, y = torch.randn(3, 0, 4), torch.randn(3, 0, 4)
+    assert_close(vmap(vmap(f))(x, y), func_vmap(func_vmap(f))(x, y))

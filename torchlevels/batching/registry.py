@@ -28,6 +28,7 @@ import torch
 from torch._library.custom_ops import _maybe_get_opdef
 from torch._ops import OpOverload, OpOverloadPacket
 
+from torchlevels._level import LevelTensor
 from torchlevels.batching import shortcuts
 
 Rule = Callable[[OpOverload, tuple, tuple, dict], tuple[Any, Any]]
@@ -542,14 +543,27 @@ def no_examples(func: OpOverload, args: tuple, dims: tuple, kwargs: dict,
     device = next(a.device for a in args if isinstance(a, torch.Tensor))
     kw_dims = kw_dims or {}
     out = func(*map(meta, args, dims), **{k: meta(v, kw_dims.get(k)) for k, v in kwargs.items()})
+    carrier = _carrier([*args, *kwargs.values()], device)
 
     def batch_of_none(o):
-        return torch.empty((0, *o.shape), dtype=o.dtype, device=device)
+        return carrier.new_empty((0, *o.shape), dtype=o.dtype)
 
     if isinstance(out, torch.Tensor):
         return batch_of_none(out), 0
     outs = [batch_of_none(o) if isinstance(o, torch.Tensor) else o for o in out]
     return type(out)(outs), tuple(0 if isinstance(o, torch.Tensor) else None for o in outs)
+
+
+def _carrier(values: Iterable, device: torch.device) -> torch.Tensor:
+    """A 0-dim tensor batched at each enclosing level that batches one of ``values`` (or
+    of a list among them): tensors made with its ``new_empty`` carry those levels' batches,
+    as an op's outputs would (a write into them of values batched there then works)."""
+    carrier = torch.zeros((), device=device)
+    for v in values:
+        for t in v if type(v) is list else (v,):
+            if isinstance(t, LevelTensor):
+                carrier = carrier + t.new_zeros(())
+    return carrier
 
 
 def _stack(func: OpOverload, outs: list[torch.Tensor]) -> torch.Tensor:
