@@ -1,6 +1,7 @@
 """Edge cases of vmap found by differential fuzzing against torch.func.vmap (dtypes, odd
 shapes, nested levels with their own in_dims), each compared on the same inputs."""
 
+import re
 import warnings
 
 import pytest
@@ -82,3 +83,15 @@ def test_nested_vmap_inner_batch_of_no_examples_keeps_the_outer_batch_for_writes
 
     x, y = torch.randn(3, 0, 4), torch.randn(3, 0, 4)
     assert_close(vmap(vmap(f))(x, y), func_vmap(func_vmap(f))(x, y))
+
+
+@pytest.mark.parametrize("f", [
+    lambda x: x.masked_fill(x > 0, x),
+    lambda x: x.clone().masked_fill_(x > 0, x),
+], ids=["masked_fill", "masked_fill_"])
+def test_masked_fill_with_a_batched_value_of_dims_raises_as_each_example(f):
+    x = torch.randn(3, 2)
+    with pytest.raises(RuntimeError, match="0-dimensional value tensor") as expected:
+        f(x[0])
+    with pytest.raises(RuntimeError, match=re.escape(str(expected.value))):
+        vmap(f)(x)

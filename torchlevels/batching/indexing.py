@@ -330,6 +330,9 @@ def masked_fill(func, args, dims, kwargs):
     if inplace and dims[0] is None:
         raise_inplace_unbatched_self(func)
     value_batched = dims[2] is not None
+    if value_batched and value.dim() != 1:  # each example's value: torch's error
+        raise RuntimeError("masked_fill_ only supports a 0-dimensional value tensor, but got "
+                           f"tensor with {value.dim() - 1} dimension(s).")
     if not inplace and not value_batched:
         return pointwise_rule(func, args, dims, kwargs)
     rank = max(logical_rank(self, dims[0]), logical_rank(mask, dims[1]))
