@@ -95,3 +95,15 @@ def test_masked_fill_with_a_batched_value_of_dims_raises_as_each_example(f):
         f(x[0])
     with pytest.raises(RuntimeError, match=re.escape(str(expected.value))):
         vmap(f)(x)
+
+
+def test_an_op_with_no_kernel_for_its_dtype_raises_as_each_example():
+    # float16 vectors ** a complex64 0-dim tensor is ComplexHalf, which pow has no kernel
+    # for; expanding the 0-dim tensor and retrying computed in complex64 instead
+    exponent = torch.tensor(2 + 1j)
+    x = torch.rand(1, 2, 3, dtype=torch.float16)
+    with pytest.raises(NotImplementedError, match="ComplexHalf"):
+        x[:, 0] ** exponent
+    with pytest.raises(NotImplementedError, match="ComplexHalf"):
+        vmap(lambda v: v ** exponent, in_dims=1)(x)
+

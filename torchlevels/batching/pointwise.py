@@ -70,12 +70,15 @@ def pointwise_rule(func, args, dims, kwargs):
 
 def broadcasting(func, args, kwargs):
     """``func(*args)``, its tensors expanded to one shape where the kernel rejects
-    broadcasting them (float32 gelu_backward on the CPU, through oneDNN)."""
+    broadcasting them (float32 gelu_backward on the CPU, through oneDNN). Not where a
+    kernel is missing for the dtype: expanded, a 0-dim tensor would promote as a
+    dimensioned one, and the retry would run in another dtype than the op's."""
     try:
         return func(*args, **kwargs)
     except RuntimeError as error:
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
-        if writes_first_argument(func) or len({t.shape for t in tensors}) < 2:
+        if (writes_first_argument(func) or isinstance(error, NotImplementedError)
+                or len({t.shape for t in tensors}) < 2):
             raise
         try:
             expanded = _broadcast(args)
