@@ -107,3 +107,11 @@ def test_an_op_with_no_kernel_for_its_dtype_raises_as_each_example():
     with pytest.raises(NotImplementedError, match="ComplexHalf"):
         vmap(lambda v: v ** exponent, in_dims=1)(x)
 
+
+@pytest.mark.parametrize("in_dims", [(0, 0), (None, 0), (0, None)])
+def test_cross_of_examples_of_different_ranks_raises_as_each_example(in_dims):
+    a, b = torch.randn(3, 2, 3), torch.randn(3, 3)
+    with pytest.raises(RuntimeError, match="same number of dimensions"):
+        torch.linalg.cross(a[0], b[0])
+    with pytest.raises(RuntimeError, match="same number of dimensions"):
+        vmap(torch.linalg.cross, in_dims=in_dims)(a, b if in_dims[1] is not None else b[0])

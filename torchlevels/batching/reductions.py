@@ -11,7 +11,14 @@ from typing import NamedTuple
 
 import torch
 
-from torchlevels.batching.dims import materialize, pad_to_rank, rows, to_front, wrap_dim
+from torchlevels.batching.dims import (
+    logical_rank,
+    materialize,
+    pad_to_rank,
+    rows,
+    to_front,
+    wrap_dim,
+)
 from torchlevels.batching.registry import batch_size, per_op, register, register_family
 
 aten = torch.ops.aten
@@ -114,12 +121,20 @@ register(
     aten._softmax, aten._log_softmax, aten._safe_softmax, aten._softmax_backward_data,
     aten._log_softmax_backward_data, aten.cumsum, aten.cumprod, aten.logcumsumexp,
     aten.cummax, aten.cummin, aten.sort, aten.argsort, aten.topk, aten.kthvalue, aten.flip,
-    aten.median.dim, aten.nanmedian.dim, aten.mode, aten.glu, aten.linalg_cross,
+    aten.median.dim, aten.nanmedian.dim, aten.mode, aten.glu,
     aten.cumsum_, aten.cumprod_, aten.squeeze.dim, aten.squeeze.dims,
     aten.glu_backward, aten.glu_jvp, aten.glu_backward_jvp, aten.logsumexp, aten.nansum,
     aten.count_nonzero, aten._fft_c2c, aten._fft_r2c, aten._fft_c2r, aten.hash_tensor,
 )(dim_rule)
 _UNTAGGED_REDUCTIONS = {aten.hash_tensor.default}  # an empty dim list means every dim
+
+
+@register(aten.linalg_cross)
+def linalg_cross(func, args, dims, kwargs):
+    """``linalg.cross``: along ``dim`` of broadcast inputs, which must be of one rank."""
+    if logical_rank(args[0], dims[0]) != logical_rank(args[1], dims[1]):
+        raise RuntimeError("linalg.cross: inputs must have the same number of dimensions.")
+    return dim_rule(func, args, dims, kwargs)
 
 
 def _full(reduce_flat):
