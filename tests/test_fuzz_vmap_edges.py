@@ -115,3 +115,31 @@ def test_cross_of_examples_of_different_ranks_raises_as_each_example(in_dims):
         torch.linalg.cross(a[0], b[0])
     with pytest.raises(RuntimeError, match="same number of dimensions"):
         vmap(torch.linalg.cross, in_dims=in_dims)(a, b if in_dims[1] is not None else b[0])
+
+
+OUT_OF_RANGE = {  # ops that fold the batch into one dim and offset each example's indices
+    "index_add": lambda x, i: x.index_add(0, i, torch.ones(i.shape[0], 2)),
+    "index_copy": lambda x, i: x.index_copy(0, i, torch.ones(i.shape[0], 2)),
+    "index_fill": lambda x, i: x.index_fill(0, i, 1.0),
+    "index_fill, a tensor value": lambda x, i: x.index_fill(0, i, torch.tensor(2.0)),
+    "index_reduce": lambda x, i: x.index_reduce(0, i, torch.ones(i.shape[0], 2), "amax"),
+    "embedding": lambda x, i: torch.nn.functional.embedding(i, x),
+    "embedding_bag": lambda x, i: torch.nn.functional.embedding_bag(i, x, torch.tensor([0])),
+}
+
+
+@pytest.mark.parametrize("index", [[[1], [4], [0]], [[1], [-5], [2]], [[0], [-1], [0]]],
+                         ids=["past the end", "before the start", "negative"])
+@pytest.mark.parametrize("name", OUT_OF_RANGE)
+def test_an_index_out_of_one_examples_range_does_not_reach_another_example(name, index):
+    f = OUT_OF_RANGE[name]
+    x, index = torch.randn(3, 4, 2), torch.tensor(index)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # index_reduce is in beta
+        try:
+            expected = loop(f, (0, 0), x, index)
+        except (IndexError, RuntimeError):
+            with pytest.raises((IndexError, RuntimeError)):
+                vmap(f)(x, index)
+        else:
+            assert_close(vmap(f)(x, index), expected)

@@ -55,6 +55,18 @@ def _arange(size: int, rank: int, device) -> torch.Tensor:
     return torch.arange(size, device=device).view(size, *(1,) * rank)
 
 
+def _offset(index: torch.Tensor, length: int, wraps: bool = False) -> torch.Tensor:
+    """Batch-first ``index`` into examples of ``length`` entries, offset by ``b * length``
+    into their fold. An index out of an example's range (which the kernel refuses for one
+    example) goes past them all, where the kernel refuses it too, instead of into another
+    example's entries. ``wraps``: the op takes a negative index from the end (index_fill)."""
+    if wraps:
+        index = torch.where(index < 0, index + length, index)
+    size = index.shape[0]
+    offset = index + _arange(size, index.dim() - 1, index.device) * length
+    return torch.where((index < 0) | (index >= length), size * length, offset)
+
+
 def _move_block(x: torch.Tensor, n: int, src: int, dst: int) -> torch.Tensor:
     """Move the ``n`` consecutive dims starting at ``src`` so they start at ``dst``."""
     if n == 0 or src == dst:
@@ -277,8 +289,8 @@ def _folded_update(func, x, d, index, index_bdim, source, source_bdim, rest, kwa
     """Run an index_* op with a batched index once: fold the batch into dim ``d`` and
     offset each example's indices by ``b * x.size(d)``, so examples stay apart."""
     size, length = x.shape[0], x.shape[d]
-    index = rows(to_front(index, index_bdim))
-    index = (index + _arange(size, 1, index.device) * length).reshape(-1)
+    wraps = func.overloadpacket in (aten.index_fill, aten.index_fill_)
+    index = _offset(rows(to_front(index, index_bdim)), length, wraps).reshape(-1)
     folded = x.movedim(d, 1).flatten(0, 1)
     if source_bdim is not None:
         source = source.movedim(d, 1).flatten(0, 1)
@@ -559,9 +571,8 @@ def embedding_renorm_(func, args, dims, kwargs):
     weight = to_front(weight, dims[0])
     size, table_rows = weight.shape[0], weight.shape[1]
     indices = rows(materialize(indices, dims[1], size))
-    offsets = torch.arange(size, device=indices.device).unsqueeze(1) * table_rows
     flat = weight.flatten(0, 1)  # a copy when weight is not contiguous
-    func(flat, (indices + offsets).flatten(), *rest, **kwargs)
+    func(flat, _offset(indices, table_rows).flatten(), *rest, **kwargs)
     if not weight.is_contiguous():
         weight.copy_(flat.view(weight.shape))
     return weight, 0
@@ -583,9 +594,8 @@ def embedding(func, args, dims, kwargs):
     # [B*V, D] with indices offset by b * V, then the padding row's gradient stops by hand
     weight = to_front(weight, weight_bdim)
     indices = to_front(indices, indices_bdim)
-    offset = indices + _arange(size, indices.dim() - 1, indices.device) * weight.shape[1]
     padding_idx = rest[0] if rest else -1
-    out = func(weight.flatten(0, 1), offset, -1, *rest[1:], **kwargs)
+    out = func(weight.flatten(0, 1), _offset(indices, weight.shape[1]), -1, *rest[1:], **kwargs)
     if padding_idx >= 0:
         out = torch.where((indices == padding_idx).unsqueeze(-1), out.detach(), out)
     return out, 0
@@ -603,8 +613,7 @@ def embedding_dense_backward(func, args, dims, kwargs):
         return out.unflatten(-1, (size, -1)), 1
     indices = to_front(indices, dims[1])
     grad = materialize(grad, dims[0], size)
-    offset = indices + _arange(size, indices.dim() - 1, indices.device) * num_weights
-    out = func(grad, offset, size * num_weights, -1, scale_grad_by_freq)
+    out = func(grad, _offset(indices, num_weights), size * num_weights, -1, scale_grad_by_freq)
     out = out.unflatten(0, (size, num_weights))
     if padding_idx >= 0:
         out[:, padding_idx] = 0  # a fresh tensor: zero the padding row of every example
@@ -679,7 +688,7 @@ def _flat_bags(size, bags, indices, offsets, dims, rows, padding_idx):
     index = materialize(indices, dims[0], size)
     shift = _arange(size, 1, index.device)
     if rows:
-        shifted = index + shift * rows
+        shifted = _offset(index, rows)
         index = shifted if padding_idx < 0 else torch.where(index == padding_idx, index, shifted)
     starts = materialize(offsets, dims[1], size) + shift * index.shape[1]
     if starts.shape[1] == bags + 1:
