@@ -143,3 +143,32 @@ def test_an_index_out_of_one_examples_range_does_not_reach_another_example(name,
                 vmap(f)(x, index)
         else:
             assert_close(vmap(f)(x, index), expected)
+
+
+INVALID_FOR_EACH_EXAMPLE = {  # (f, example shapes): each example's call raises
+    "bmm of different batch sizes": (torch.bmm, [(2, 2, 3), (1, 3, 2)]),
+    "index_select with a 2-dim index": (
+        lambda x, i: x.index_select(0, i.long().abs()), [(3,), (1, 1)]),
+    "index_fill with a 1-dim value": (
+        lambda x, v: x.index_fill(0, torch.tensor([0]), v), [(3,), (1,)]),
+    "view of a 0-dim tensor as a smaller dtype": (
+        lambda x, y: x.view(torch.uint8) + y.view(torch.uint8), [(), ()]),
+}
+
+
+@pytest.mark.parametrize("in_dims", [(0, 0), (None, 0), (0, None)])
+@pytest.mark.parametrize("name", INVALID_FOR_EACH_EXAMPLE)
+def test_arguments_each_example_refuses_raise(name, in_dims):
+    f, shapes = INVALID_FOR_EACH_EXAMPLE[name]
+    args = [torch.randn(shape) if d is None else torch.randn(3, *shape)
+            for shape, d in zip(shapes, in_dims)]
+    with pytest.raises((IndexError, RuntimeError)) as expected:
+        loop(f, in_dims, *args)
+    with pytest.raises(expected.type, match=re.escape(str(expected.value))):
+        vmap(f, in_dims=in_dims)(*args)
+
+
+def test_view_of_0_dim_examples_as_a_dtype_of_the_same_size():
+    x = torch.randn(3)
+    f = lambda v: v.view(torch.int32)  # noqa: E731
+    assert torch.equal(vmap(f)(x), loop(f, (0,), x))

@@ -220,6 +220,8 @@ def index_select(func, args, dims, kwargs):
     if dims[2] is None:
         x = to_front(self, dims[0])
         return (x if rank == 0 else func(x, d + 1, index)), 0
+    if index.dim() > 2:  # each example's index: torch's error
+        raise IndexError("index_select(): Index is supposed to be a vector")
     size = batch_size(args, dims)
     index = rows(to_front(index, dims[2]))  # a 0-dim index acts as one entry
     if dims[0] is None:
@@ -255,6 +257,9 @@ def index_update(func, args, dims, kwargs):
     fill = func.overloadpacket in (aten.index_fill, aten.index_fill_)
     source_bdim = None  # a fill value shared by all examples
     if fill and dims[3] is not None:
+        if source.dim() != 1:  # each example's value: torch's error
+            raise RuntimeError("index_fill_ only supports a 0-dimensional value tensor, but "
+                               f"got tensor with {source.dim() - 1} dimension(s).")
         # a different fill value per example: a where over the filled entries (copying an
         # expanded value in would count a repeated index twice in the value's gradient)
         mask = torch.zeros(x.shape, dtype=torch.bool, device=x.device)

@@ -131,6 +131,9 @@ def mm(func, args, dims, kwargs):
 def bmm(func, args, dims, kwargs):
     """bmm: one bmm with the vmap batch folded into rows, columns or bmm's own batch."""
     _check_ranks(func, args, dims, ((3,), (3,)))
+    shapes = [logical_shape(t, d) for t, d in zip(args, dims)]
+    if shapes[0][0] != shapes[1][0]:  # bmm does not broadcast its batch: torch's error
+        func(*(torch.empty(s, dtype=t.dtype, device="meta") for s, t in zip(shapes, args)))
     return batch_matrix_product(args[0], dims[0], args[1], dims[1])
 
 

@@ -588,6 +588,8 @@ def matmul(cls, func, args, kwargs):
             tuple(operands[1]) != _RANKS[func]):
         return None
     (a, b), (rank_a, rank_b) = operands
+    if func in _BMM and a.shape[-3] != b.shape[-3]:
+        return None  # bmm does not broadcast its batch as matmul does: the usual path raises
     ours_a, ours_b = type(args[0]) is cls, type(args[1]) is cls
     if ours_b and rank_b == 1 and not ours_a and rank_a <= 2:
         # an unbatched vector or matrix times batched vectors: the vectors' batch on the
@@ -818,6 +820,7 @@ def torch_and_tensor(*names: str) -> list:
 _RANKS = {f: ranks for names, ranks in (("dot", (1, 1)), ("mv", (2, 1)), ("mm", (2, 2)),
                                         ("bmm", (3, 3)))
           for f in torch_and_tensor(names)}
+_BMM = frozenset(torch_and_tensor("bmm"))
 
 
 # torch.<name> and Tensor.<name>, and Tensor's operators: elementwise, each tested against
