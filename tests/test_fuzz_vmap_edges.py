@@ -172,3 +172,21 @@ def test_view_of_0_dim_examples_as_a_dtype_of_the_same_size():
     x = torch.randn(3)
     f = lambda v: v.view(torch.int32)  # noqa: E731
     assert torch.equal(vmap(f)(x), loop(f, (0,), x))
+
+
+@pytest.mark.parametrize("index", [[0], 0, [0, 0], [1], [-1], []], ids=str)
+@pytest.mark.parametrize("in_dims", [(0, None), (0, 0), (None, 0)])
+def test_index_select_of_0_dim_examples_checks_the_index_as_each_example(index, in_dims):
+    def f(x, i):
+        return x.index_select(0, i)
+
+    x = torch.randn(3) if in_dims[0] == 0 else torch.randn(())
+    index = torch.tensor(index, dtype=torch.long)
+    index = index.expand(3, *index.shape).clone() if in_dims[1] == 0 else index
+    try:
+        expected = loop(f, in_dims, x, index)
+    except (IndexError, RuntimeError):
+        with pytest.raises((IndexError, RuntimeError)):
+            vmap(f, in_dims=in_dims)(x, index)
+    else:
+        assert_close(vmap(f, in_dims=in_dims)(x, index), expected)

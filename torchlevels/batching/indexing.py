@@ -217,21 +217,24 @@ def index_select(func, args, dims, kwargs):
     self, dim, index = args
     rank = logical_rank(self, dims[0])
     d = wrap_dim(dim, rank)
+    if rank == 0:  # one entry: a one-entry vector's, whose index torch checks, and 0-dim again
+        one = self.unsqueeze(0) if dims[0] is None else to_front(self, dims[0]).unsqueeze(1)
+        one_dims = (None if dims[0] is None else 0, None, dims[2])
+        out, _ = index_select(func, (one, 0, index), one_dims, kwargs)  # [B, entries]
+        if out.shape[1] != 1:
+            raise RuntimeError("index_select(): Index to scalar can have only 1 value, got "
+                               f"{out.shape[1]} value(s)")
+        return out.squeeze(1), 0
     if dims[2] is None:
-        x = to_front(self, dims[0])
-        return (x if rank == 0 else func(x, d + 1, index)), 0
+        return func(to_front(self, dims[0]), d + 1, index), 0
     if index.dim() > 2:  # each example's index: torch's error
         raise IndexError("index_select(): Index is supposed to be a vector")
     size = batch_size(args, dims)
     index = rows(to_front(index, dims[2]))  # a 0-dim index acts as one entry
     if dims[0] is None:
         # one index_select for all examples; its output dim d splits into (B, n)
-        if rank == 0:
-            return self.expand(size), 0
         return func(self, d, index.reshape(-1)).unflatten(d, index.shape), d
     x = to_front(self, dims[0])
-    if rank == 0:
-        return x, 0
     shape = list(x.shape)
     shape[d + 1] = index.shape[1]
     index = index.view(size, *(1,) * d, index.shape[1], *(1,) * (rank - d - 1)).expand(shape)
