@@ -190,3 +190,20 @@ def test_index_select_of_0_dim_examples_checks_the_index_as_each_example(index, 
             vmap(f, in_dims=in_dims)(x, index)
     else:
         assert_close(vmap(f, in_dims=in_dims)(x, index), expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.complex64, torch.bool])
+@pytest.mark.parametrize("in_dims", [(0, 0), (0, None), (None, 0)])
+def test_isin_as_each_example_and_its_dtype_check(dtype, in_dims):
+    def f(elements, test):
+        return torch.isin(elements, test, invert=True)
+
+    args = [torch.randint(0, 3, (3, 4) if d is not None else (4,)).to(dtype) for d in in_dims]
+    try:
+        expected = loop(f, in_dims, *args)
+    except RuntimeError as error:  # complex and bool: "Unsupported input type"
+        with pytest.raises(RuntimeError, match="Unsupported input type"):
+            vmap(f, in_dims=in_dims)(*args)
+        assert "Unsupported input type" in str(error)
+    else:
+        assert torch.equal(vmap(f, in_dims=in_dims)(*args), expected)

@@ -566,6 +566,24 @@ def searchsorted(func, args, dims, kwargs, kw_dims=None):
     return torch.searchsorted(boundaries, flat_values, *rest, **kwargs).reshape(values.shape), 0
 
 
+@register(aten.isin.Tensor_Tensor, aten.isin.Tensor_Scalar, aten.isin.Scalar_Tensor)
+def isin(func, args, dims, kwargs):
+    """isin: each example's elements against its own test elements, in one comparison
+    (PyTorch's decomposition, which vmap would take, skips the kernel's dtype check)."""
+    elements, test = args
+    func(*(torch.empty(logical_shape(a, d), dtype=a.dtype, device="meta")
+           if isinstance(a, torch.Tensor) else a for a, d in zip(args, dims)), **kwargs)
+    if dims[1] is None:  # shared test elements: elementwise in the elements
+        return func(elements, test, **kwargs), dims[0]
+    size = batch_size(args, dims)
+    test = rows(to_front(test, dims[1]))
+    if not isinstance(elements, torch.Tensor):
+        elements = torch.tensor(elements, device=test.device)
+    elements = materialize(elements, dims[0], size)
+    found = (rows(elements).unsqueeze(-1) == test.unsqueeze(1)).any(-1).view(elements.shape)
+    return found.logical_not() if kwargs.get("invert", False) else found, 0
+
+
 # -- embedding ------------------------------------------------------------------------------
 
 
