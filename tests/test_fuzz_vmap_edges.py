@@ -207,3 +207,11 @@ def test_isin_as_each_example_and_its_dtype_check(dtype, in_dims):
         assert "Unsupported input type" in str(error)
     else:
         assert torch.equal(vmap(f, in_dims=in_dims)(*args), expected)
+
+
+def test_trace_of_bool_examples_raises_as_each_example():
+    x = torch.ones(2, 3, 3, dtype=torch.bool)
+    with pytest.raises(NotImplementedError, match="Bool") as expected:
+        torch.trace(x[0])
+    with pytest.raises(NotImplementedError, match=re.escape(str(expected.value))):
+        vmap(torch.trace)(x)
