@@ -215,3 +215,14 @@ def test_trace_of_bool_examples_raises_as_each_example():
         torch.trace(x[0])
     with pytest.raises(NotImplementedError, match=re.escape(str(expected.value))):
         vmap(torch.trace)(x)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.complex64])
+@pytest.mark.parametrize("loss", [torch.nn.functional.nll_loss,
+                                  torch.nn.functional.multi_margin_loss])
+def test_losses_of_input_that_is_not_floating_point_raise_as_each_example(loss, dtype):
+    x, target = torch.ones(2, 4, 3).to(dtype), torch.zeros(2, 4, dtype=torch.long)
+    with pytest.raises(NotImplementedError):
+        loss(x[0], target[0])
+    with pytest.raises(NotImplementedError, match=str(dtype)):
+        vmap(loss)(x, target)

@@ -523,6 +523,14 @@ def weight_norm_backward(func, args, dims, kwargs):
 # -- losses -------------------------------------------------------------------------------
 
 
+def _floating_only(func, x: torch.Tensor) -> None:
+    """Refuse input that is not floating point, as the loss kernels do (the rules' gathers
+    and products would take integer or complex input)."""
+    if not x.is_floating_point():
+        raise NotImplementedError(f"vmap: {func} is not implemented for input of dtype "
+                                  f"{x.dtype}, as each example's call is not")
+
+
 def _nll_setup(args, dims, size):
     """Front-batched input and targets, the class dim, where targets count, and their weights."""
     x, target, weight, _, ignore_index = args[:5]
@@ -544,6 +552,7 @@ def _nll_setup(args, dims, size):
 def nll_loss_forward(func, args, dims, kwargs):
     """Per example: gather -log p of each target class, weigh it, reduce that example's."""
     reduction = args[3]
+    _floating_only(func, args[0])
     size = batch_size(args, dims)
     x, class_dim, keep, index, w = _nll_setup(args, dims, size)
     loss = (-x.gather(class_dim, index).squeeze(class_dim) * w).masked_fill(~keep, 0)
@@ -659,6 +668,7 @@ def multi_margin_loss(func, args, dims, kwargs):
     """Each row's loss in one call (PyTorch's decomposition, which differentiates in every
     mode), scaled by its class weight, then each example's reduction over its rows. (The
     decomposition alone gives an unreduced 1-d example's loss a dim of 1.)"""
+    _floating_only(func, args[0])
     a = _margin_rows(func, args, dims, 0)
     loss = decomposition_of(func)(a["rows"], a["target"], a["p"], a["margin"], None, 0)
     if a["weight"] is not None:
