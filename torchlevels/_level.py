@@ -422,13 +422,36 @@ def mark_level_graph(t: torch.Tensor, only: bool = True) -> None:
     setattr(t, _LEVEL_GRAPH, only)
 
 
+# Set while a grad level's backward pass runs that autograd outside does not track (see
+# untracked_pass): the plain tensors that PyTorch's engine makes then are not marked.
+_in_untracked_pass: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "torchlevels_untracked_pass", default=False)
+
+
+@contextmanager
+def untracked_pass(untracked: bool) -> Iterator[None]:
+    """Run a grad level's backward pass, in which nothing requires grad for autograd
+    outside when ``untracked`` (no input, capture or cotangent of the level does): a
+    tensor that requires grad then does so for that level's graph alone, which ends with
+    the level, and levels around it must not take it for one autograd outside tracks."""
+    if not untracked:
+        yield
+        return
+    token = _in_untracked_pass.set(True)
+    try:
+        yield
+    finally:
+        _in_untracked_pass.reset(token)
+
+
 def tracked_outside(t: Any) -> bool:
     """Whether plain tensor ``t`` requires grad for autograd outside the transforms: it
     requires grad, and not only for a grad level's graph (see :func:`mark_level_graph`).
     A meta tensor never is: PyTorch makes meta copies only to learn an output's shape
     (adding a ZeroTensor tangent under forward AD). A view no level marked (``w.t()``
-    made inside ``F.linear``) is tracked as its base is."""
-    if not requires_grad_flag(t) or t.is_meta:
+    made inside ``F.linear``) is tracked as its base is. Nothing is while an untracked
+    backward pass runs (see :func:`untracked_pass`)."""
+    if not requires_grad_flag(t) or t.is_meta or _in_untracked_pass.get():
         return False
     only = getattr(t, _LEVEL_GRAPH, None)
     if only is None and t._is_view():

@@ -40,6 +40,7 @@ from torchlevels._level import (
     enclosing_classes,
     entered,
     follow_inner,
+    in_level_graph,
     innermost,
     mark_level_graph,
     new_level_class,
@@ -84,6 +85,21 @@ def shallow_copy(t: Any) -> Any:
         return type(t)._level.rewrap(type(t), t)
     if isinstance(t, torch.Tensor):
         return t.detach()  # a plain tensor: no enclosing level can see this detach
+    return t
+
+
+def without_level_graph(t: Any) -> Any:
+    """``t``, a result of a grad level whose graph autograd outside does not track, free of
+    that graph, which nothing differentiates once the level exits (a level around would
+    take it for one autograd outside tracks): a plain tensor detached, the plain tensor
+    under a level's tensor marked as requiring grad for a level's graph alone."""
+    if type(t) is torch.Tensor:
+        return t.detach() if requires_grad_flag(t) else t
+    inner = t
+    while isinstance(inner, LevelTensor):
+        inner = inner._inner
+    if type(inner) is torch.Tensor and requires_grad_flag(inner) and not in_level_graph(inner):
+        mark_level_graph(inner)
     return t
 
 
@@ -360,9 +376,13 @@ def autodiff_classes(cls: type[LevelTensor] | None) -> list[type[LevelTensor]]:
 
 
 def requires_grad_within(t: torch.Tensor) -> bool:
-    """Whether ``t``, or the tensor it wraps at any level, requires grad for autograd
-    outside (not only for a grad level's own graph)."""
+    """Whether ``t``, the tensor it wraps at any level, or the tangent a jvp level gives
+    one of them, requires grad for autograd outside (not only for a grad level's own
+    graph)."""
     while isinstance(t, LevelTensor):
+        tangent = getattr(t, "_tangent", None)
+        if tangent is not None and requires_grad_within(tangent):
+            return True
         t = t._inner
     return tracked_outside(t)
 

@@ -26,6 +26,7 @@ from torchlevels._level import (
     is_foreign,
     refuse_functional,
     requires_grad_flag,
+    untracked_pass,
 )
 from torchlevels._torch_compile import eager
 from torchlevels.autodiff import (
@@ -37,6 +38,7 @@ from torchlevels.autodiff import (
     jvp_level,
     requires_grad_within,
     shallow_copy,
+    without_level_graph,
 )
 from torchlevels.autograd_grad import own_grad
 from torchlevels.batching.registry import UnbatchedWriteError
@@ -81,13 +83,17 @@ def _refuse_complex(api: str, flat: list, what: str) -> None:
                                f"tensor at flattened input idx: {idx}")
 
 
+def _tracked_outside(level: GradLevel, inputs: list) -> bool:
+    """Whether autograd outside tracks an input of the level or a tensor it captured."""
+    return level.captures_tracked or any(map(requires_grad_within, inputs))
+
+
 def _needs_graph(level: GradLevel, inputs: list, grad_enabled: bool) -> bool:
     """Whether the backward pass itself must be recorded (higher order or autograd outside).
 
     ``grad_enabled`` is the grad mode outside the transform, which turns it on inside.
     """
-    return grad_enabled and (level.nested_in_autodiff or level.captures_tracked
-                             or any(map(requires_grad_within, inputs)))
+    return grad_enabled and (level.nested_in_autodiff or _tracked_outside(level, inputs))
 
 
 def _normalized(argnums: int | tuple[int, ...], args: tuple) -> int | tuple[int, ...]:
@@ -163,11 +169,12 @@ def grad_and_value(func: Callable, argnums: int | tuple[int, ...] = 0,
                 )
             level = G._level
             keep = _needs_graph(level, flat, grad_enabled)
+            untracked = not _tracked_outside(level, flat)
             out_inner = G.unwrap(out)
             leaves = [w._inner for w in wrapped]
             grads = [None] * len(leaves)
             if type(out) is G and requires_grad_flag(out_inner):  # depends on the inputs
-                with backward_pass(G):
+                with backward_pass(G), untracked_pass(untracked):
                     grads = list(own_grad(out_inner, leaves, allow_unused=True,
                                           create_graph=keep))
             grads = [torch.zeros_like(t) if g is None else g for g, t in zip(grads, flat)]
@@ -175,6 +182,8 @@ def grad_and_value(func: Callable, argnums: int | tuple[int, ...] = 0,
             if has_aux:
                 aux = tree_map(lambda a: _out_of(G, a, keep), aux)
                 value = (value, aux)
+            if keep and untracked:  # kept for the levels around, not for autograd outside
+                grads, value = tree_map(without_level_graph, (grads, value))
         return tree_unflatten(grads, spec), value
 
     return eager(accepts_dims(wrapper), "grad_and_value")
@@ -263,7 +272,9 @@ def vjp(func: Callable, *primals: Any, has_aux: bool = False, _api: str = "vjp")
         results = tree_unflatten([o if keep else shallow_copy(o) for o in out_inners], out_spec)
         if has_aux:
             aux = tree_map(lambda a: _out_of(G, a, keep), aux)
-    inputs_require_grad = G._level.captures_tracked or any(map(requires_grad_within, flat))
+    inputs_require_grad = _tracked_outside(G._level, flat)
+    if keep and not inputs_require_grad:  # kept for the levels around, not autograd outside
+        results, aux = tree_map(without_level_graph, (results, aux))
 
     @eager
     def vjp_fn(cotangents: Any, retain_graph: bool = True,
@@ -280,16 +291,21 @@ def vjp(func: Callable, *primals: Any, has_aux: bool = False, _api: str = "vjp")
                                 f"shaped like output {k}, {tuple(o.shape)}")
         tracked = [(o, c) for o, c, t in zip(out_inners, flat_ct, tracks) if t]
         grads = [None] * len(leaves)
+        # nothing outside differentiates the pass: its graph is for the levels around alone
+        untracked = not (inputs_require_grad or any(map(requires_grad_within, flat_ct)))
         if tracked:
             if create_graph is None:  # torch.func's default, grad mode, where it matters
                 create_graph = torch.is_grad_enabled() and (
                     inputs_require_grad or bool(autodiff_classes(innermost()))
                     or any(c.requires_grad for _, c in tracked)
                 )
-            grads = list(own_grad(
-                [o for o, _ in tracked], leaves, [c for _, c in tracked],
-                retain_graph=retain_graph, create_graph=create_graph, allow_unused=True,
-            ))
+            with untracked_pass(untracked):
+                grads = list(own_grad(
+                    [o for o, _ in tracked], leaves, [c for _, c in tracked],
+                    retain_graph=retain_graph, create_graph=create_graph, allow_unused=True,
+                ))
+            if create_graph and untracked:
+                grads = [without_level_graph(g) for g in grads]
         grads = [torch.zeros_like(t) if g is None else g for g, t in zip(grads, flat)]
         return tuple(tree_unflatten(grads, spec))
 
