@@ -81,3 +81,27 @@ def test_transform_inside_jvp_keeps_the_graph_of_a_tangent_autograd_tracks(case)
         out = F.jvp(lambda p, F=F: run(F, p), (primal,), (t,))[1]
         results.append((out, torch.autograd.grad(out.sum(), t)[0]))
     torch.testing.assert_close(results[1], results[0])
+
+
+_TENSOR_LISTS = {
+    "cat": lambda F, b: torch.cat([b[:1], b]),
+    "stack": lambda F, b: torch.stack([b, b.sin()]),
+    "cat with a constant": lambda F, b: torch.cat([torch.ones(1, dtype=b.dtype), b]),
+    "grad of prod (its backward cats)": lambda F, b: F.grad(lambda c: c.prod())(b),
+}
+
+
+@pytest.mark.parametrize("case", _TENSOR_LISTS)
+def test_jvp_of_an_op_on_a_list_of_tensors_keeps_the_graph_of_a_tracked_tangent(case):
+    # the tangents of the tensors in cat's list count for autograd outside, as an
+    # argument's own tangent does (the tangent out carried no graph back to the tangent in)
+    run = _TENSOR_LISTS[case]
+    primal = torch.randn(3, dtype=torch.double)
+    tangent = torch.randn(3, dtype=torch.double)
+    results = []
+    for F in (tf, tl):
+        t = tangent.clone().requires_grad_()
+        out = F.jvp(lambda b, F=F: run(F, b), (primal,), (t,))[1]
+        assert out.requires_grad
+        results.append((out, torch.autograd.grad(out.sin().sum(), t)[0]))
+    torch.testing.assert_close(results[1], results[0])

@@ -586,7 +586,8 @@ def _recorded_outside(cls, args: tuple, dual_args: list, dual_kwargs: dict) -> b
     level inside this one (its leaf, ``grad(lambda x: w * x)(x0)`` under ``jvp`` over
     ``w``) does not count: that level recorded the op on our tensors at its own dispatch,
     and a record here would be a second graph, left on the results the transforms return."""
-    tangents = [a._tangent for a in args if type(a) is cls and a._tangent is not None]
+    tangents = [t._tangent for a in args for t in (a if type(a) in (list, tuple) else (a,))
+                if type(t) is cls and t._tangent is not None]  # (cat's tensors in a list)
     return any(map(_differentiated_beyond_inner_levels, (*dual_args, *dual_kwargs.values(),
                                                          *tangents)))
 
