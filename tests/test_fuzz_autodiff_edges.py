@@ -105,3 +105,24 @@ def test_jvp_of_an_op_on_a_list_of_tensors_keeps_the_graph_of_a_tracked_tangent(
         assert out.requires_grad
         results.append((out, torch.autograd.grad(out.sin().sum(), t)[0]))
     torch.testing.assert_close(results[1], results[0])
+
+
+_BATCHED_COTANGENTS = {
+    "vmap of a vjp_fn": lambda F, cts, p: F.vmap(F.vjp(_cube, p)[1])(cts)[0],
+    "vjp inside vmap": lambda F, cts, p: F.vmap(lambda c: F.vjp(_cube, p)[1](c)[0])(cts),
+}
+
+
+@pytest.mark.parametrize("case", _BATCHED_COTANGENTS)
+def test_vjp_fn_under_vmap_keeps_the_graph_of_cotangents_autograd_tracks(case):
+    # a batch of cotangents that require grad: the vjps carried no graph back to them
+    run = _BATCHED_COTANGENTS[case]
+    primal = torch.randn(3, dtype=torch.double)
+    cotangents = torch.randn(2, 3, dtype=torch.double)
+    results = []
+    for F in (tf, tl):
+        cts = cotangents.clone().requires_grad_()
+        out = run(F, cts, primal)
+        assert out.requires_grad
+        results.append((out, torch.autograd.grad(out.sin().sum(), cts)[0]))
+    torch.testing.assert_close(results[1], results[0])

@@ -297,7 +297,7 @@ def vjp(func: Callable, *primals: Any, has_aux: bool = False, _api: str = "vjp")
             if create_graph is None:  # torch.func's default, grad mode, where it matters
                 create_graph = torch.is_grad_enabled() and (
                     inputs_require_grad or bool(autodiff_classes(innermost()))
-                    or any(c.requires_grad for _, c in tracked)
+                    or any(c.requires_grad or requires_grad_within(c) for _, c in tracked)
                 )
             with untracked_pass(untracked):
                 grads = list(own_grad(
