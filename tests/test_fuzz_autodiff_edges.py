@@ -126,3 +126,26 @@ def test_vjp_fn_under_vmap_keeps_the_graph_of_cotangents_autograd_tracks(case):
         assert out.requires_grad
         results.append((out, torch.autograd.grad(out.sin().sum(), cts)[0]))
     torch.testing.assert_close(results[1], results[0])
+
+
+_JVP_WITH_A_TANGENT_OF_A_GRAD_LEVEL = {
+    "exp": torch.exp,  # its tangent reads its result, which gets a tangent only after
+    "softmax": lambda a: torch.softmax(a, 0),
+    "sin": torch.sin,
+}
+
+
+@pytest.mark.parametrize("case", _JVP_WITH_A_TANGENT_OF_A_GRAD_LEVEL)
+def test_vjp_of_a_jvp_over_its_input_as_tangent_differentiates_inside_another_jvp(case):
+    # the vjp level's graph saved exp's result, to which forward AD then gave a tangent
+    # of the vjp level: its backward, run inside the jvp around, met that tangent after the
+    # vjp level exited (EscapedTensorError)
+    f = _JVP_WITH_A_TANGENT_OF_A_GRAD_LEVEL[case]
+    x, primal, y = (torch.randn(3, dtype=torch.double) for _ in range(3))
+
+    def run(F):
+        def h(b):
+            return F.jvp(f, (primal,), (b,))[1]
+        return F.jvp(lambda c: F.vjp(h, x)[1](c)[0], (y,), (x,))
+
+    torch.testing.assert_close(run(tl), run(tf))

@@ -217,8 +217,10 @@ class GradLevel(Level):
         if self.hosts_jvp and fwAD._current_level >= 0:
             # a jvp level's duals reach us as plain tensors with its tangent, which our
             # graph would save and differentiate after that level exits
+            written = writes_first_argument(func)  # (an in-place op writes its first)
             with autograd_on():  # (forward AD's ops run at autograd's keys)
-                inner_args = [_primal_of_others(a, cls) for a in inner_args]
+                inner_args = [_primal_of_others(a, cls, written and i == 0)
+                              for i, a in enumerate(inner_args)]
                 inner_kwargs = {k: _primal_of_others(v, cls) for k, v in inner_kwargs.items()}
         if _shapes_only(args):
             # meta copies, made by PyTorch to learn an output's shape: no derivative
@@ -785,26 +787,30 @@ def _to_dual(a: Any, cls, level: int, nested: bool = False) -> Any:
     return a
 
 
-def _primal_of_others(a: Any, cls) -> Any:
+def _primal_of_others(a: Any, cls, written: bool = False) -> Any:
     """An inner argument of grad level ``cls``'s op (a list of them), with any plain
     tensor's tangent dropped (see :func:`_without_tangent`): a jvp level inside made it."""
     if type(a) in (list, tuple):
         return type(a)(_primal_of_others(t, cls) for t in a)
     if type(a) is torch.Tensor:
-        return _without_tangent(a, fwAD._current_level)
+        return _without_tangent(a, fwAD._current_level, written)
     return a
 
 
-def _without_tangent(t: torch.Tensor, level: int) -> torch.Tensor:
+def _without_tangent(t: torch.Tensor, level: int, written: bool = False) -> torch.Tensor:
     """``t``'s primal, if it is a dual tensor of a jvp level nested inside the one running
     an op. PyTorch has one forward-AD level, which nested jvp levels share: a level inside
     makes duals of its own primals, and one made of a tensor that is constant to this
     level (``jvp(lambda b: a + b * b, (two,), ...)`` with ``a`` of this level) reaches
     this level's op as a plain tensor with that level's tangent, while the level is live
     or later, saved in a grad level's graph. Its tangent is the inner level's to
-    propagate (forward AD did, above this level's dispatch), never this level's."""
+    propagate (forward AD did, above this level's dispatch), never this level's. A tensor
+    with no tangent yet may get one after this op: an inner level's result, which its
+    forward formula reads (``exp``'s tangent is ``t * result``) before forward AD attaches
+    the tangent. So the primal, a view forward AD never gives a tangent, goes in our
+    graph, unless the op writes ``t`` in place (``written``): the write must land on it."""
     primal, tangent = _unpack_dual(t, level=level)
-    return t if tangent is None else primal
+    return t if tangent is None and written else primal
 
 
 # Ops whose forward-AD formula plain autograd cannot differentiate again (softmax's writes
