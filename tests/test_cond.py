@@ -10,6 +10,14 @@ import torchlevels as tl
 X = torch.tensor([[0.5, 1.0], [-0.5, -1.0], [2.0, -3.0]], dtype=torch.float64)
 
 
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    # torch.func's cond traces its branches with dynamo, whose state outlives a test: after
+    # other tests' torch.cond calls it marks shapes dynamic, and torch.func's vmap of cond
+    # fails on the SymInts that gives its branches ("Cond inputs must be a list of tensors")
+    torch._dynamo.reset()
+
+
 def branchy(r: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     return torch.cond(p.sum() > 0, lambda t: t.sin() * 2, lambda t: t.cos() - t, (r,))
 
