@@ -70,17 +70,23 @@ _UNDER_JVP_WITH_TRACKED_TANGENT = {
 }
 
 
-@pytest.mark.parametrize("case", _UNDER_JVP_WITH_TRACKED_TANGENT)
-def test_transform_inside_jvp_keeps_the_graph_of_a_tangent_autograd_tracks(case):
-    run = _UNDER_JVP_WITH_TRACKED_TANGENT[case]
+def _assert_tangent_keeps_its_graph(run, outer=torch.sum):
+    """jvp of ``run`` with a tangent autograd tracks: the tangent out and the gradient of
+    ``outer(tangent out)`` with respect to the tangent in, in both libraries."""
     primal = torch.randn(3, dtype=torch.double)
     tangent = torch.randn(3, dtype=torch.double)
     results = []
     for F in (tf, tl):
         t = tangent.clone().requires_grad_()
         out = F.jvp(lambda p, F=F: run(F, p), (primal,), (t,))[1]
-        results.append((out, torch.autograd.grad(out.sum(), t)[0]))
+        assert out.requires_grad
+        results.append((out, torch.autograd.grad(outer(out), t)[0]))
     torch.testing.assert_close(results[1], results[0])
+
+
+@pytest.mark.parametrize("case", _UNDER_JVP_WITH_TRACKED_TANGENT)
+def test_transform_inside_jvp_keeps_the_graph_of_a_tangent_autograd_tracks(case):
+    _assert_tangent_keeps_its_graph(_UNDER_JVP_WITH_TRACKED_TANGENT[case])
 
 
 _TENSOR_LISTS = {
@@ -95,16 +101,7 @@ _TENSOR_LISTS = {
 def test_jvp_of_an_op_on_a_list_of_tensors_keeps_the_graph_of_a_tracked_tangent(case):
     # the tangents of the tensors in cat's list count for autograd outside, as an
     # argument's own tangent does (the tangent out carried no graph back to the tangent in)
-    run = _TENSOR_LISTS[case]
-    primal = torch.randn(3, dtype=torch.double)
-    tangent = torch.randn(3, dtype=torch.double)
-    results = []
-    for F in (tf, tl):
-        t = tangent.clone().requires_grad_()
-        out = F.jvp(lambda b, F=F: run(F, b), (primal,), (t,))[1]
-        assert out.requires_grad
-        results.append((out, torch.autograd.grad(out.sin().sum(), t)[0]))
-    torch.testing.assert_close(results[1], results[0])
+    _assert_tangent_keeps_its_graph(_TENSOR_LISTS[case], lambda out: out.sin().sum())
 
 
 _BATCHED_COTANGENTS = {
