@@ -210,7 +210,7 @@ class GradLevel(Level):
             self.captures_tracked = _captures_tracked(cls, args) or (
                 bool(kwargs) and _captures_tracked(cls, kwargs.values()))
         decomposed = _DECOMPOSED.get(func)
-        if decomposed is not None and decomposed[0](cls, args):
+        if decomposed is not None and decomposed[0](cls, (*args, *kwargs.values())):
             return decomposed[1](*args, **kwargs)
         inner_args = [unwrap_own(a, cls) for a in args]
         inner_kwargs = {k: unwrap_own(v, cls) for k, v in kwargs.items()} if kwargs else {}
@@ -833,6 +833,12 @@ def _on_our_tensors(cls, args: tuple) -> bool:
     return any(type(a) is cls for a in args)
 
 
+def _mask_on_our_tensors(cls, args: tuple) -> bool:
+    """Whether an attention op's mask (its one tensor argument after query, key and
+    value) is a tensor of grad level ``cls``."""
+    return _on_our_tensors(cls, args[3:])
+
+
 def _differentiated_by(levels: int) -> Callable[[type, tuple], bool]:
     """The condition that at least ``levels`` levels may differentiate an op, as a
     function of the grad level class and the op's arguments (see
@@ -860,7 +866,7 @@ def _differentiations(cls, args: tuple) -> int:
 
 # Ops a grad level runs as decompositions whose derivatives are right, where their own
 # derivatives, differentiated again, come out wrong or raise: op -> (when, on the level
-# class and the op's arguments; the decomposition).
+# class and the op's arguments, keyword arguments' values last; the decomposition).
 # - Norms' backward ops, on a tensor of the level: their own derivatives (PyTorch's
 #   batchnorm_double_backward and the like) write temporaries in place, which a vmap
 #   inside may not batch, and read the saved mean and invstd, which carry no derivative:
@@ -877,6 +883,9 @@ def _differentiations(cls, args: tuple) -> int:
 #   (from PyTorch's formula for singular matrices, which it uses for every tensor
 #   subclass, and the LU factors it saved). Not from two levels: the LU factorization's
 #   second derivative at an exactly singular matrix is wrong, PyTorch's right.
+# - CPU flash attention with an attention mask of the level: it has no derivative for the
+#   mask. Eager PyTorch (and torch.func) pick the math kernel when the mask requires grad,
+#   which ours does not show outside the level.
 _DECOMPOSED = {
     torch.ops.aten.native_batch_norm_backward.default:
         (_on_our_tensors, decompositions_for_jvp.native_batch_norm_backward),
@@ -890,6 +899,10 @@ _DECOMPOSED = {
     torch.ops.aten.triangular_solve.default:
         (_differentiated_by(2), linalg_recomputed.triangular_solve),
     torch.ops.aten._linalg_det.default: (_differentiated_by(3), linalg_recomputed.det),
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default: (
+        _mask_on_our_tensors,
+        torch._decomp.decomposition_table[
+            torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default]),
 }
 
 
