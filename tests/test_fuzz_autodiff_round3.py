@@ -41,3 +41,46 @@ def test_attention_differentiated_in_its_mask(case):
 
     run = _ATTENTION_IN_THE_MASK[case]
     _assert_same(run(tl, attention, mask), run(tf, attention, mask))
+
+
+# torch.utils.checkpoint (use_reentrant=False) recomputes under saved-tensor hooks whose
+# pack hook detaches what it saves: inside a grad level nested in another autodiff level
+# that dropped the outer level's tracking, so jvp(grad(f)) and grad(grad(f)) came out as
+# zeros. Such a grad level refuses the hooks, as torch.func's every grad does.
+def _checkpointed(x):
+    return torch.utils.checkpoint.checkpoint(torch.sin, x, use_reentrant=False).sum()
+
+
+_X = torch.tensor([0.5, 1.0, -2.0], dtype=torch.double)
+_OVER_A_CHECKPOINTED_GRAD = {
+    "jvp of grad": lambda T: T.jvp(T.grad(_checkpointed), (_X,), (torch.ones_like(_X),)),
+    "jacfwd of grad": lambda T: T.jacfwd(T.grad(_checkpointed))(_X),
+    "grad of grad": lambda T: T.grad(lambda x: T.grad(_checkpointed)(x).sum())(_X),
+    "hessian": lambda T: T.hessian(_checkpointed)(_X),
+    "jvp of vmap of grad": lambda T: T.jvp(T.vmap(T.grad(_checkpointed)), (_X[None],),
+                                           (torch.ones_like(_X[None]),)),
+}
+
+
+@pytest.mark.parametrize("case", _OVER_A_CHECKPOINTED_GRAD)
+def test_checkpoint_in_a_grad_nested_in_another_derivative_is_refused(case):
+    run = _OVER_A_CHECKPOINTED_GRAD[case]
+    with pytest.raises(RuntimeError, match="saved tensor hooks"):
+        run(tf)
+    with pytest.raises(RuntimeError, match="saved-tensor hooks .* checkpoint"):
+        run(tl)
+    assert torch._C._autograd._saved_tensors_hooks_is_enabled()  # put back after the error
+    x = _X.clone().requires_grad_()  # and checkpointing in a single grad still works
+    expected = torch.autograd.grad(_checkpointed(x), x)[0]
+    torch.testing.assert_close(tl.grad(_checkpointed)(_X), expected)
+    torch.testing.assert_close(tl.vmap(tl.grad(_checkpointed))(_X[None])[0], expected)
+
+
+@pytest.mark.parametrize("api", ["vjp", "jacrev"])
+def test_checkpoint_recomputed_after_its_transform_exited_says_so(api):
+    # vjp_fn and jacrev's backward run after the function returned: the recomputation
+    # meets the exited level's tensors, and the error names checkpoint, not a closure
+    run = {"vjp": lambda: tl.vjp(_checkpointed, _X)[1](torch.tensor(1.0, dtype=_X.dtype)),
+           "jacrev": lambda: tl.jacrev(_checkpointed)(_X)}[api]
+    with pytest.raises(tl.EscapedTensorError, match="torch.utils.checkpoint recomputed"):
+        run()

@@ -499,6 +499,15 @@ def set_logical_meta(tensor: LevelTensor, shape, strides, storage_offset: int = 
 
 
 def escape_message(level: Level, func) -> str:
+    if level.functional and _in_checkpoint_recomputation():
+        return (
+            f"{func}: torch.utils.checkpoint recomputed its function, in a backward pass "
+            f"taken after {level.describe()} exited, on that transform's tensors. "
+            "Checkpointing works inside grad and vmap(grad), whose backward pass runs "
+            "while they are live, but not under vjp or jacrev, whose backward pass runs "
+            "after the function returned, nor under a transform that differentiates a "
+            "backward pass (hessian, grad of grad, grad of jvp): remove the checkpoint there."
+        )
     if level.functional:
         return (
             f"{func}: a tensor of {level.describe()} was used after that transform exited. "
@@ -512,6 +521,15 @@ def escape_message(level: Level, func) -> str:
         "without being unwrapped). Unwrap it with the level's class before the block "
         "exits (`B.unwrap(t)` for `with vmap() as B`)."
     )
+
+
+def _in_checkpoint_recomputation() -> bool:
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_filename.endswith(os.path.join("torch", "utils", "checkpoint.py")):
+            return True
+        frame = frame.f_back
+    return False
 
 
 # What a level's tensors answer for these names: PyTorch's own unless the level says

@@ -1047,12 +1047,39 @@ def grad_level(name: str = "grad") -> Iterator[type[LevelTensor]]:
     torch_function = no_shortcuts if fwAD._current_level >= 0 else grad_shortcuts.torch_function
     cls = new_level_class(level, "GradTensor", classmethod(torch_function), **_GRAD_LEVEL_TENSOR)
     level.nested_in_autodiff = bool(autodiff_classes(cls.__base__))
+    nested = level.nested_in_autodiff or fwAD._current_level >= 0
+    hooks = _saved_tensor_hooks_refused() if nested else _NOTHING
     # grad(f) inside no_grad or inference_mode still differentiates, as torch.func's does
     # (nn.TransformerEncoderLayer and nn.MultiheadAttention take fused inference kernels,
     # which have no derivatives, when no argument requires grad: a level's never do)
     with (entered(cls), _inference_mode_off(), torch.enable_grad(), predispatch.hook(),
-          mha_fastpath_off):
+          mha_fastpath_off, hooks):
         yield cls
+
+
+_HOOKS_REFUSED = (
+    "torchlevels: saved-tensor hooks (torch.utils.checkpoint with use_reentrant=False, "
+    "torch.autograd.graph.save_on_cpu) cannot be used inside grad, vjp or jacrev nested in "
+    "another autodiff transform (jvp, jacfwd, grad, hessian): their hooks detach the "
+    "tensors the inner level saves, which drops what the outer level tracks and would give "
+    "a wrong derivative. Remove the checkpoint from this higher-order composition "
+    "(torch.func refuses saved-tensor hooks in every grad).")
+
+
+@contextlib.contextmanager
+def _saved_tensor_hooks_refused() -> Iterator[None]:
+    """A grad level inside another autodiff level refuses saved-tensor hooks in its
+    thread, as torch.func's grad does (see ``_HOOKS_REFUSED``); the state before is put
+    back."""
+    before = torch._C._autograd._saved_tensors_hooks_get_disabled_error_message()
+    torch._C._autograd._saved_tensors_hooks_disable(_HOOKS_REFUSED)
+    try:
+        yield
+    finally:
+        if before is None:
+            torch._C._autograd._saved_tensors_hooks_enable()
+        else:
+            torch._C._autograd._saved_tensors_hooks_disable(before)
 
 
 @contextlib.contextmanager
