@@ -84,3 +84,17 @@ def test_checkpoint_recomputed_after_its_transform_exited_says_so(api):
            "jacrev": lambda: tl.jacrev(_checkpointed)(_X)}[api]
     with pytest.raises(tl.EscapedTensorError, match="torch.utils.checkpoint recomputed"):
         run()
+
+
+def test_checkpoint_in_vmap_of_grad_over_inputs_autograd_tracks_is_refused():
+    # the examples' tensors that the grad level saves are a vmap level's: the pack hook's
+    # detach reached the tensor autograd outside tracks, and the results came back with no
+    # graph to it (torch.func refuses saved-tensor hooks in every grad)
+    x = _X[:, None].clone().requires_grad_()
+    with pytest.raises(RuntimeError, match="under vmap over inputs that require grad"):
+        tl.vmap(tl.grad(_checkpointed))(x)
+    assert torch._C._autograd._saved_tensors_hooks_is_enabled()
+    expected = torch.autograd.grad(_checkpointed(x), x)[0]
+    torch.testing.assert_close(tl.vmap(tl.grad(_checkpointed))(x.detach()), expected)
+    grads = tl.grad(_checkpointed)(x)  # a plain input: PyTorch restores its graph
+    torch.testing.assert_close(torch.autograd.grad(grads.sum(), x)[0], -x.detach().sin())

@@ -163,6 +163,17 @@ class GradLevel(Level):
         self.captures_tracked = False
         self.in_backward = False  # its backward pass runs (see backward_pass)
         self.hosts_jvp = False  # whether a jvp level was entered inside (see _without_tangent)
+        self.hooks = contextlib.ExitStack()  # saved-tensor hooks refused while it is live
+
+    def refuse_saved_tensor_hooks(self) -> None:
+        """Refuse saved-tensor hooks (``torch.utils.checkpoint``) until the level exits, as
+        torch.func's grad does: their pack hook detaches the tensors the level saves, and
+        when those are tensors of another level that something outside tracks (the level
+        is nested in a derivative, or autograd outside tracks the inputs of a vmap's
+        examples), that detach drops what it tracks, and the derivative outside comes out
+        wrong. PyTorch restores the graph of a plain tensor it unpacks, not of the tensors
+        inside a level's."""
+        self.hooks.enter_context(_saved_tensor_hooks_refused())
 
     def wrap(self, cls, tensor: torch.Tensor) -> torch.Tensor:
         """``G(t)``: ``t`` as an input of this level (a fresh leaf of its graph)."""
@@ -1047,23 +1058,24 @@ def grad_level(name: str = "grad") -> Iterator[type[LevelTensor]]:
     torch_function = no_shortcuts if fwAD._current_level >= 0 else grad_shortcuts.torch_function
     cls = new_level_class(level, "GradTensor", classmethod(torch_function), **_GRAD_LEVEL_TENSOR)
     level.nested_in_autodiff = bool(autodiff_classes(cls.__base__))
-    nested = level.nested_in_autodiff or fwAD._current_level >= 0
-    hooks = _saved_tensor_hooks_refused() if nested else _NOTHING
     # grad(f) inside no_grad or inference_mode still differentiates, as torch.func's does
     # (nn.TransformerEncoderLayer and nn.MultiheadAttention take fused inference kernels,
     # which have no derivatives, when no argument requires grad: a level's never do)
     with (entered(cls), _inference_mode_off(), torch.enable_grad(), predispatch.hook(),
-          mha_fastpath_off, hooks):
+          mha_fastpath_off, level.hooks):
+        if level.nested_in_autodiff or fwAD._current_level >= 0:
+            level.refuse_saved_tensor_hooks()
         yield cls
 
 
 _HOOKS_REFUSED = (
     "torchlevels: saved-tensor hooks (torch.utils.checkpoint with use_reentrant=False, "
-    "torch.autograd.graph.save_on_cpu) cannot be used inside grad, vjp or jacrev nested in "
-    "another autodiff transform (jvp, jacfwd, grad, hessian): their hooks detach the "
-    "tensors the inner level saves, which drops what the outer level tracks and would give "
-    "a wrong derivative. Remove the checkpoint from this higher-order composition "
-    "(torch.func refuses saved-tensor hooks in every grad).")
+    "torch.autograd.graph.save_on_cpu) cannot be used inside a grad whose inputs something "
+    "outside it also differentiates: a grad nested in another autodiff transform (jvp, "
+    "jacfwd, grad, hessian), or under vmap over inputs that require grad. Their pack hook "
+    "detaches the tensors the grad level saves, which would drop what the outer derivative "
+    "tracks and give a wrong result. Remove the checkpoint there (torch.func refuses "
+    "saved-tensor hooks in every grad).")
 
 
 @contextlib.contextmanager

@@ -152,6 +152,8 @@ def grad_and_value(func: Callable, argnums: int | tuple[int, ...] = 0,
             flat, spec = tree_flatten(diff)
             _inputs("grad", flat)
             wrapped = [G(t) for t in flat]
+            if any(isinstance(t, LevelTensor) and requires_grad_within(t) for t in flat):
+                G._level.refuse_saved_tensor_hooks()
             new_diff = tree_unflatten(wrapped, spec)
             new_args = _replace_args(args, (new_diff,) if isinstance(argnums_, int)
                                      else new_diff, argnums_)
