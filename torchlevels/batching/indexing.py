@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from torchlevels._level import LevelTensor
+from torchlevels._level import LevelTensor, autograd_records
 from torchlevels.batching.dims import (
     logical_rank,
     logical_shape,
@@ -662,6 +662,12 @@ def embedding_bag(func, args, dims, kwargs):
             **kwargs}
     mode, padding_idx = opts["mode"], opts["padding_idx"]
     psw_dim = dims[6] if len(dims) > 6 else None
+    if func is aten._embedding_bag_forward_only.default and autograd_records() and any(
+            isinstance(t, torch.Tensor) and t.requires_grad
+            for t in (weight, opts["per_sample_weights"])):
+        # picked for the level's tensors, which require no grad; the forward-only kernel
+        # refuses the plain tensors under them that autograd tracks (stacked module params)
+        func = aten._embedding_bag.default
     if dims[1] is None and dims[2] is None and psw_dim is None:
         size = weight.shape[dims[0]]
         output, offset2bag, bag_size, max_indices = func(
