@@ -38,3 +38,30 @@ def test_embedding_bag_of_stacked_weights_that_require_grad(mode, batched_indice
     assert_close(out, expected)
     assert_close(torch.autograd.grad(out.pow(2).sum(), weight),
                  torch.autograd.grad(expected.pow(2).sum(), weight))
+
+
+@pytest.mark.parametrize("x_shape", [(2, 8), (4, 2, 8)])
+def test_a_view_of_linear_with_a_batched_weight_and_bias(x_shape):
+    # linear's output was laid out with the batch among its columns, so each example was
+    # not contiguous and .view raised where a loop (and torch.func) views it
+    x = torch.randn(x_shape)
+    weight, bias = torch.randn(3, 24, 8), torch.randn(3, 24)
+
+    def f(w, b):
+        return F.linear(x, w, b).view(-1, 6)
+
+    assert_close(vmap(f)(weight, bias), func_vmap(f)(weight, bias))
+
+
+def test_multihead_attention_of_stacked_modules_over_one_query_key_and_value():
+    # an ensemble's in-projection is linear with a batched weight and bias, then a view
+    modules = [torch.nn.MultiheadAttention(8, 2).eval() for _ in range(3)]
+    params, buffers = torch.func.stack_module_state(modules)
+    base = modules[0]
+    query, key, value = torch.randn(3, 4, 2, 8).unbind()
+
+    def f(p, b):
+        return torch.func.functional_call(base, (p, b), (query, key, value))
+
+    for out, expected in zip(vmap(f)(params, buffers), func_vmap(f)(params, buffers)):
+        assert_close(out, expected)

@@ -117,7 +117,9 @@ def add_scaled(s, ds, prod, dp, rank, beta=1, alpha=1):
         s = torch.zeros_like(s)  # addmm ignores self (even NaN) when beta is 0
     elif beta != 1:
         s = s * beta
-    return torch.add(s, prod, alpha=alpha), 0
+    # contiguous per example, as the fused kernel's output is (the add would follow the
+    # product's layout, where the batch may sit among the columns, so a view of it failed)
+    return torch.add(s, prod, alpha=alpha).contiguous(), 0
 
 
 @register(aten.mm.default)
