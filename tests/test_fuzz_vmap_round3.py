@@ -65,3 +65,22 @@ def test_multihead_attention_of_stacked_modules_over_one_query_key_and_value():
 
     for out, expected in zip(vmap(f)(params, buffers), func_vmap(f)(params, buffers)):
         assert_close(out, expected)
+
+
+_PRODUCTS = {
+    "einsum": (lambda a, b: torch.einsum("ij,jk->ik", a, b), [(4, 5), (3, 5, 6)], (None, 0)),
+    "addr": (lambda a, b: torch.addr(torch.ones(4, 6), a, b), [(4,), (6, 3)], (None, 1)),
+}
+
+
+@pytest.mark.parametrize("name", list(_PRODUCTS))
+def test_a_view_of_a_matrix_product_with_the_batch_on_one_side(name):
+    # the batch's place in the product left each example non-contiguous, so .view raised
+    # where a loop (and torch.func) views one example's fresh product
+    fn, shapes, in_dims = _PRODUCTS[name]
+    args = [torch.randn(s) for s in shapes]
+
+    def f(a, b):
+        return fn(a, b).view(-1)
+
+    assert_close(vmap(f, in_dims=in_dims)(*args), func_vmap(f, in_dims=in_dims)(*args))

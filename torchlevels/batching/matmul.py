@@ -245,7 +245,8 @@ def addr(func, args, dims, kwargs):
         s = torch.zeros_like(s)
     elif beta != 1:
         s = s * beta
-    return torch.addcmul(s, col, row, value=alpha), 0
+    # contiguous per example, as the kernel's output is (a .view of it works as in a loop)
+    return torch.addcmul(s, col, row, value=alpha).contiguous(), 0
 
 
 @register(aten._trilinear.default)

@@ -632,7 +632,13 @@ def einsum(cls, func, args, kwargs):
     if any(p is None for p in phys):
         return None
     terms = [letter + term if type(a) is cls else term for a, term in zip(operands, terms)]
-    return _taken(cls, torch.einsum, (f"{','.join(terms)}->{letter}{output}", *phys), {})
+    try:
+        out = _call(torch.einsum, (f"{','.join(terms)}->{letter}{output}", *phys), {})
+    except (RuntimeError, IndexError, TypeError, ValueError):
+        return None  # the usual path raises torch's own error, naming the example's dims
+    # each example contiguous (the batch's letter may leave it among another dim's rows,
+    # where one example's einsum gives a tensor that .view accepts)
+    return wrap_front(cls, out.contiguous())
 
 
 _LETTERS = "ZYXWVUTSRQPONMLKJIHGFEDCBAzyxwvutsrqponmlkjihgfedcba"
