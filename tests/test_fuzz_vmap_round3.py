@@ -84,3 +84,22 @@ def test_a_view_of_a_matrix_product_with_the_batch_on_one_side(name):
         return fn(a, b).view(-1)
 
     assert_close(vmap(f, in_dims=in_dims)(*args), func_vmap(f, in_dims=in_dims)(*args))
+
+
+def test_a_view_of_index_select_with_a_batched_index():
+    x, index = torch.randn(4, 5), torch.randint(0, 5, (3, 3))
+
+    def f(i):
+        return x.index_select(1, i).view(-1)
+
+    assert_close(vmap(f)(index), func_vmap(f)(index))
+
+
+@pytest.mark.parametrize("name", ["index_add", "index_copy"])
+def test_a_view_of_an_index_update_with_a_batched_index(name):
+    x, index, source = torch.randn(3, 4, 5), torch.randperm(5)[:2].repeat(3, 1), torch.randn(4, 2)
+
+    def f(x, i):
+        return getattr(x, name)(1, i, source).view(-1)
+
+    assert_close(vmap(f)(x, index), func_vmap(f)(x, index))

@@ -232,8 +232,11 @@ def index_select(func, args, dims, kwargs):
     size = batch_size(args, dims)
     index = rows(to_front(index, dims[2]))  # a 0-dim index acts as one entry
     if dims[0] is None:
-        # one index_select for all examples; its output dim d splits into (B, n)
-        return func(self, d, index.reshape(-1)).unflatten(d, index.shape), d
+        # one index_select for all examples; its output dim d splits into (B, n), moved to
+        # the front and copied so each example is contiguous, as one example's output is
+        # (a .view of it then works as in a loop)
+        out = func(self, d, index.reshape(-1)).unflatten(d, index.shape)
+        return out.movedim(d, 0).contiguous(), 0
     x = to_front(self, dims[0])
     shape = list(x.shape)
     shape[d + 1] = index.shape[1]
@@ -288,6 +291,8 @@ def index_update(func, args, dims, kwargs):
                              source, source_bdim, rest, kwargs)
         if inplace:
             x.copy_(out)
+        else:
+            out = out.contiguous()  # folding left each example strided, unlike one's own
     if inplace:
         return self, dims[0]
     return (out.squeeze(-1) if rank == 0 else out), 0
