@@ -103,3 +103,20 @@ def test_a_view_of_an_index_update_with_a_batched_index(name):
         return getattr(x, name)(1, i, source).view(-1)
 
     assert_close(vmap(f)(x, index), func_vmap(f)(x, index))
+
+
+@pytest.mark.parametrize("transform", ["vmap", "grad"])
+def test_data_ptr_of_a_transforms_tensor_raises_as_torch_func(transform):
+    # PyTorch answered 0 for every wrapper, so x.data_ptr() == (x + 1).data_ptr() held
+    import torchlevels
+
+    def f(x):
+        x.data_ptr()
+        return x.sum()
+
+    x = torch.randn(3, 4)
+    with pytest.raises(RuntimeError, match="data pointer"):
+        getattr(torch.func, transform)(f)(x)
+    with pytest.raises(RuntimeError, match="data pointer"):
+        getattr(torchlevels, transform)(f)(x)
+

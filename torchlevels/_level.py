@@ -245,6 +245,13 @@ class LevelTensor(torch.Tensor):
             return self.item()
         return [row.tolist() for row in self.unbind()]
 
+    def data_ptr(self) -> int:
+        """PyTorch answers 0 for every wrapper, so ``a.data_ptr() == b.data_ptr()`` would
+        call any two of a level's tensors aliases: raise, as torch.func's transforms do."""
+        raise RuntimeError(f"{type(self).__name__}.data_ptr(): a tensor of "
+                           f"{type(self)._level.describe()} has no storage of its own; "
+                           "Cannot access data pointer of Tensor that doesn't have storage")
+
     def __format__(self, format_spec: str) -> str:
         """``f"{loss:.3f}"``: a 0-dim tensor formats its value, as a plain tensor does."""
         if self.dim() == 0 and not self.is_meta:
