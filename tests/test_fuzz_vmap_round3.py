@@ -120,3 +120,12 @@ def test_data_ptr_of_a_transforms_tensor_raises_as_torch_func(transform):
     with pytest.raises(RuntimeError, match="data pointer"):
         getattr(torchlevels, transform)(f)(x)
 
+
+@pytest.mark.parametrize("mode", ["sum", "max"])
+def test_a_view_of_embedding_bag_of_a_batched_weight(mode):
+    weight, indices = torch.randn(3, 10, 4), torch.randint(0, 10, (2, 3))
+
+    def f(w):
+        return F.embedding_bag(indices, w, mode=mode).view(-1)
+
+    assert_close(vmap(f)(weight), func_vmap(f)(weight))

@@ -677,11 +677,12 @@ def embedding_bag(func, args, dims, kwargs):
         size = weight.shape[dims[0]]
         output, offset2bag, bag_size, max_indices = func(
             weight.movedim(dims[0], 1).flatten(1, 2), indices, offsets, **opts)
-        output = output.unflatten(-1, (size, -1))
+        # [bags, B, D] to [B, bags, D]: each example contiguous, as one example's output is
+        output = output.unflatten(-1, (size, -1)).movedim(-2, 0).contiguous()
         if mode == 2:  # max: per-feature rows of the table, the same for every example
-            return (output, offset2bag, bag_size, max_indices.unflatten(-1, (size, -1))), (
-                output.dim() - 2, None, None, output.dim() - 2)
-        return (output, offset2bag, bag_size, max_indices), (output.dim() - 2, None, None, None)
+            max_indices = max_indices.unflatten(-1, (size, -1)).movedim(-2, 0).contiguous()
+            return (output, offset2bag, bag_size, max_indices), (0, None, None, 0)
+        return (output, offset2bag, bag_size, max_indices), (0, None, None, None)
     size = batch_size(args, dims)
     weight, rows = _flat_weight(weight, dims[0])  # each example's indices into its rows
     length = logical_shape(indices, dims[1])[0]
