@@ -129,3 +129,33 @@ def test_a_view_of_embedding_bag_of_a_batched_weight(mode):
         return F.embedding_bag(indices, w, mode=mode).view(-1)
 
     assert_close(vmap(f)(weight), func_vmap(f)(weight))
+
+
+@pytest.mark.parametrize("name", ["mul", "add", "exp", "div"])
+def test_an_out_tensor_of_a_dtype_the_result_cannot_cast_to_raises_as_each_example(name):
+    # the result was copied into the out= tensor, truncating floats to integers silently
+    ops = {"mul": lambda x, out: torch.mul(x, 2, out=out),
+           "add": lambda x, out: torch.add(x, x, out=out),
+           "exp": lambda x, out: torch.exp(x, out=out),
+           "div": lambda x, out: torch.div(x.long(), 2, out=out)}
+
+    def f(x):
+        out = torch.empty_like(x, dtype=torch.int64)
+        ops[name](x, out)
+        return out
+
+    x = torch.randn(4, 3)
+    with pytest.raises(RuntimeError, match="can't be cast to the desired output type"):
+        f(x[0])
+    with pytest.raises(RuntimeError, match="can't be cast to the desired output type"):
+        vmap(f)(x)
+
+
+def test_an_out_tensor_of_a_wider_dtype_takes_the_result_as_each_example():
+    def f(x):
+        out = torch.empty_like(x, dtype=torch.float64)
+        torch.add(x, x, out=out)
+        return out
+
+    x = torch.randn(4, 3)
+    assert_close(vmap(f)(x), torch.stack([f(e) for e in x]))
