@@ -265,7 +265,11 @@ def test_weight_times_batched_columns_is_one_mm():
     w, x = torch.randn(3, 5), torch.randn(5, B, 4)  # the batch sits next to the columns
     names = kernels(vmap(torch.mm, (None, 1)), w, x)
     assert names.count("aten::mm") == 2 and "aten::bmm" not in names, names
-    assert not {"aten::copy_", "aten::clone"} & set(names), names
+    # one copy puts each example's product in the layout one example's mm gives, so a
+    # .view of it works as in a loop (folded into the columns, each example was strided)
+    assert names.count("aten::copy_") <= 1, names
+    out = vmap(lambda x: torch.mm(w, x).view(-1), (1,))(x)
+    torch.testing.assert_close(out, torch.stack([(w @ x[:, b]).view(-1) for b in range(B)]))
 
 
 def test_registered_as_own_rules():

@@ -40,6 +40,13 @@ def _next_to(x, bdim, d):
     return x.movedim(bdim, d), d
 
 
+def _contiguous_examples(out, bdim):
+    """``out`` with the batch first and each example contiguous, as the kernel's output
+    is for one example (so a ``.view`` of it works where a loop's does); a copy only when
+    the batch was folded elsewhere than in front."""
+    return to_front(out, bdim).contiguous(), 0
+
+
 def matrix_product(a, da, b, db):
     """``(a @ b, bdim)`` for logical matrices ``a`` (n, k) and ``b`` (k, m)."""
     if da is None and db is None:
@@ -47,11 +54,11 @@ def matrix_product(a, da, b, db):
     if db is None:  # (B*n, k) @ (k, m)
         a, bdim = _next_to(a, da, 0)
         p, q, k = a.shape
-        return torch.mm(a.reshape(p * q, k), b).view(p, q, b.shape[1]), bdim
+        return _contiguous_examples(torch.mm(a.reshape(p * q, k), b).view(p, q, b.shape[1]), bdim)
     if da is None:  # (n, k) @ (k, B*m)
         b, bdim = _next_to(b, db, 1)
         k, p, q = b.shape
-        return torch.mm(a, b.reshape(k, p * q)).view(a.shape[0], p, q), bdim
+        return _contiguous_examples(torch.mm(a, b.reshape(k, p * q)).view(a.shape[0], p, q), bdim)
     return torch.bmm(to_front(a, da), to_front(b, db)), 0
 
 
@@ -62,11 +69,13 @@ def batch_matrix_product(a, da, b, db):
     if db is None:  # (N, B*n, k) @ (N, k, m)
         a, bdim = _next_to(a, da, 1)
         n, p, q, k = a.shape
-        return torch.bmm(a.reshape(n, p * q, k), b).view(n, p, q, b.shape[2]), bdim
+        out = torch.bmm(a.reshape(n, p * q, k), b).view(n, p, q, b.shape[2])
+        return _contiguous_examples(out, bdim)
     if da is None:  # (N, n, k) @ (N, k, B*m)
         b, bdim = _next_to(b, db, 2)
         n, k, p, q = b.shape
-        return torch.bmm(a, b.reshape(n, k, p * q)).view(n, a.shape[1], p, q), bdim
+        out = torch.bmm(a, b.reshape(n, k, p * q)).view(n, a.shape[1], p, q)
+        return _contiguous_examples(out, bdim)
     a, b = to_front(a, da), to_front(b, db)  # fold the vmap batch into bmm's batch
     p, q, n, k = a.shape
     m = b.shape[-1]
