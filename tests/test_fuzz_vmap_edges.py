@@ -13,11 +13,7 @@ from torchlevels import vmap
 assert_close = torch.testing.assert_close
 
 
-@pytest.fixture(autouse=True)
-def _quiet():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # torch.func's slow-fallback warnings
-        yield
+pytestmark = pytest.mark.filterwarnings("ignore")  # torch.func's slow-fallback warnings
 
 
 def test_nested_vmap_masked_fill_with_a_value_batched_at_both_levels():

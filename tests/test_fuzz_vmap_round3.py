@@ -2,7 +2,6 @@
 torch.func.vmap (nn modules with stacked parameters, the Python tensor protocol,
 randomness), each compared on the same inputs."""
 
-import warnings
 
 import pytest
 import torch
@@ -14,11 +13,7 @@ from torchlevels import vmap
 assert_close = torch.testing.assert_close
 
 
-@pytest.fixture(autouse=True)
-def _quiet():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # torch.func's slow-fallback warnings
-        yield
+pytestmark = pytest.mark.filterwarnings("ignore")  # torch.func's slow-fallback warnings
 
 
 @pytest.mark.parametrize("mode", ["sum", "mean", "max"])
