@@ -230,9 +230,9 @@ class GradLevel(Level):
             # graph would save and differentiate after that level exits
             written = writes_first_argument(func)  # (an in-place op writes its first)
             with autograd_on():  # (forward AD's ops run at autograd's keys)
-                inner_args = [_primal_of_others(a, cls, written and i == 0)
+                inner_args = [_primal_of_others(a, written and i == 0)
                               for i, a in enumerate(inner_args)]
-                inner_kwargs = {k: _primal_of_others(v, cls) for k, v in inner_kwargs.items()}
+                inner_kwargs = {k: _primal_of_others(v) for k, v in inner_kwargs.items()}
         if _shapes_only(args):
             # meta copies, made by PyTorch to learn an output's shape: no derivative
             out = func(*inner_args, **inner_kwargs)
@@ -798,11 +798,11 @@ def _to_dual(a: Any, cls, level: int, nested: bool = False) -> Any:
     return a
 
 
-def _primal_of_others(a: Any, cls, written: bool = False) -> Any:
-    """An inner argument of grad level ``cls``'s op (a list of them), with any plain
-    tensor's tangent dropped (see :func:`_without_tangent`): a jvp level inside made it."""
+def _primal_of_others(a: Any, written: bool = False) -> Any:
+    """An inner argument of a grad level's op (a list of them), with any plain tensor's
+    tangent dropped (see :func:`_without_tangent`): a jvp level inside made it."""
     if type(a) in (list, tuple):
-        return type(a)(_primal_of_others(t, cls) for t in a)
+        return type(a)(map(_primal_of_others, a))
     if type(a) is torch.Tensor:
         return _without_tangent(a, fwAD._current_level, written)
     return a
@@ -1080,9 +1080,8 @@ _HOOKS_REFUSED = (
 
 @contextlib.contextmanager
 def _saved_tensor_hooks_refused() -> Iterator[None]:
-    """A grad level inside another autodiff level refuses saved-tensor hooks in its
-    thread, as torch.func's grad does (see ``_HOOKS_REFUSED``); the state before is put
-    back."""
+    """Saved-tensor hooks refused in this thread, as torch.func's grad refuses them (see
+    :meth:`GradLevel.refuse_saved_tensor_hooks`); the state before is put back."""
     before = torch._C._autograd._saved_tensors_hooks_get_disabled_error_message()
     torch._C._autograd._saved_tensors_hooks_disable(_HOOKS_REFUSED)
     try:

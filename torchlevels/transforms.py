@@ -83,17 +83,13 @@ def _refuse_complex(api: str, flat: list, what: str) -> None:
                                f"tensor at flattened input idx: {idx}")
 
 
-def _tracked_outside(level: GradLevel, inputs: list) -> bool:
-    """Whether autograd outside tracks an input of the level or a tensor it captured."""
-    return level.captures_tracked or any(map(requires_grad_within, inputs))
-
-
-def _needs_graph(level: GradLevel, inputs: list, grad_enabled: bool) -> bool:
-    """Whether the backward pass itself must be recorded (higher order or autograd outside).
+def _needs_graph(level: GradLevel, tracked_outside: bool, grad_enabled: bool) -> bool:
+    """Whether the backward pass itself must be recorded (higher order, or autograd outside
+    tracks an input of the level or a tensor it captured: ``tracked_outside``).
 
     ``grad_enabled`` is the grad mode outside the transform, which turns it on inside.
     """
-    return grad_enabled and (level.nested_in_autodiff or _tracked_outside(level, inputs))
+    return grad_enabled and (level.nested_in_autodiff or tracked_outside)
 
 
 def _normalized(argnums: int | tuple[int, ...], args: tuple) -> int | tuple[int, ...]:
@@ -152,7 +148,9 @@ def grad_and_value(func: Callable, argnums: int | tuple[int, ...] = 0,
             flat, spec = tree_flatten(diff)
             _inputs("grad", flat)
             wrapped = [G(t) for t in flat]
-            if any(isinstance(t, LevelTensor) and requires_grad_within(t) for t in flat):
+            inputs_tracked = [requires_grad_within(t) for t in flat]
+            if any(tracked and isinstance(t, LevelTensor)
+                   for t, tracked in zip(flat, inputs_tracked)):
                 G._level.refuse_saved_tensor_hooks()
             new_diff = tree_unflatten(wrapped, spec)
             new_args = _replace_args(args, (new_diff,) if isinstance(argnums_, int)
@@ -170,8 +168,8 @@ def grad_and_value(func: Callable, argnums: int | tuple[int, ...] = 0,
                     "jacrev APIs instead?"
                 )
             level = G._level
-            keep = _needs_graph(level, flat, grad_enabled)
-            untracked = not _tracked_outside(level, flat)
+            untracked = not (level.captures_tracked or any(inputs_tracked))
+            keep = _needs_graph(level, not untracked, grad_enabled)
             out_inner = G.unwrap(out)
             leaves = [w._inner for w in wrapped]
             grads = [None] * len(leaves)
@@ -266,7 +264,8 @@ def vjp(func: Callable, *primals: Any, has_aux: bool = False, _api: str = "vjp")
                     f"{_call(_api)}: All outputs of f must be floating-point or complex "
                     f"Tensors, got Tensor with dtype {o.dtype}"
                 )
-        keep = _needs_graph(G._level, flat, grad_enabled)
+        inputs_require_grad = G._level.captures_tracked or any(map(requires_grad_within, flat))
+        keep = _needs_graph(G._level, inputs_require_grad, grad_enabled)
         out_inners = [G.unwrap(o) for o in flat_out]
         # the outputs that carry this level's graph (the others do not depend on the inputs)
         tracks = [type(o) is G and requires_grad_flag(i) for o, i in zip(flat_out, out_inners)]
@@ -274,7 +273,6 @@ def vjp(func: Callable, *primals: Any, has_aux: bool = False, _api: str = "vjp")
         results = tree_unflatten([o if keep else shallow_copy(o) for o in out_inners], out_spec)
         if has_aux:
             aux = tree_map(lambda a: _out_of(G, a, keep), aux)
-    inputs_require_grad = _tracked_outside(G._level, flat)
     if keep and not inputs_require_grad:  # kept for the levels around, not autograd outside
         results, aux = tree_map(without_level_graph, (results, aux))
 

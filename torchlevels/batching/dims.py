@@ -29,6 +29,13 @@ def logical_shape(x: torch.Tensor, bdim: int | None) -> tuple[int, ...]:
     return shape if bdim is None else shape[:bdim] + shape[bdim + 1 :]
 
 
+def example_meta(args, dims) -> list:
+    """One example's arguments, its tensors as meta tensors (the rest as they are): to
+    learn what one example's call gives, or raise its error, without computing."""
+    return [torch.empty(logical_shape(a, d), dtype=a.dtype, device="meta")
+            if isinstance(a, torch.Tensor) else a for a, d in zip(args, dims)]
+
+
 def span(sizes, strides) -> int:
     """How many storage elements a layout reaches from its first: 0 when it is empty."""
     if not all(sizes):

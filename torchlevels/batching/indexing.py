@@ -21,6 +21,7 @@ import torch
 
 from torchlevels._level import LevelTensor, autograd_records
 from torchlevels.batching.dims import (
+    example_meta,
     logical_rank,
     logical_shape,
     materialize,
@@ -576,8 +577,7 @@ def isin(func, args, dims, kwargs):
     """isin: each example's elements against its own test elements, in one comparison
     (PyTorch's decomposition, which vmap would take, skips the kernel's dtype check)."""
     elements, test = args
-    func(*(torch.empty(logical_shape(a, d), dtype=a.dtype, device="meta")
-           if isinstance(a, torch.Tensor) else a for a, d in zip(args, dims)), **kwargs)
+    func(*example_meta(args, dims), **kwargs)  # torch's errors (dtypes)
     if dims[1] is None:  # shared test elements: elementwise in the elements
         return func(elements, test, **kwargs), dims[0]
     size = batch_size(args, dims)

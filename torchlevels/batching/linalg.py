@@ -13,6 +13,7 @@ import functools
 import torch
 
 from torchlevels.batching.dims import (
+    example_meta,
     logical_rank,
     logical_shape,
     materialize,
@@ -37,10 +38,8 @@ def check_ranks(func, args, dims, cores, kwargs) -> None:
     tensors = [(a, d) for a, d in zip(args, dims) if isinstance(a, torch.Tensor)]
     if all(logical_rank(a, d) >= core for (a, d), core in zip(tensors, cores)):
         return
-    meta = [torch.empty(logical_shape(a, d), dtype=a.dtype, device="meta")
-            if isinstance(a, torch.Tensor) else a for a, d in zip(args, dims)]
     try:
-        func(*meta, **kwargs)
+        func(*example_meta(args, dims), **kwargs)
     except Exception as e:  # some meta kernels raise AssertionError: keep torch's type
         raise RuntimeError(str(e)) from None
     raise RuntimeError(f"{func}: expected inputs with at least {cores} dims")

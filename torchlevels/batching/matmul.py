@@ -11,7 +11,13 @@ from __future__ import annotations
 
 import torch
 
-from torchlevels.batching.dims import logical_shape, materialize, pad_to_rank, to_front
+from torchlevels.batching.dims import (
+    example_meta,
+    logical_shape,
+    materialize,
+    pad_to_rank,
+    to_front,
+)
 from torchlevels.batching.registry import batch_size, register
 
 aten = torch.ops.aten
@@ -21,10 +27,8 @@ def _check_ranks(func, args, dims, ranks) -> None:
     """Raise torch's own error when a logical operand's rank is not in ``ranks`` (None: any)."""
     if all(r is None or a.dim() - (d is not None) in r for a, d, r in zip(args, dims, ranks)):
         return
-    meta = [torch.empty(logical_shape(a, d), dtype=a.dtype, device="meta")
-            if isinstance(a, torch.Tensor) else a for a, d in zip(args, dims)]
     try:
-        func(*meta)
+        func(*example_meta(args, dims))
     except Exception as e:  # some meta kernels raise AssertionError: keep torch's type
         raise RuntimeError(str(e)) from None
     raise RuntimeError(f"{func}: expected operands of ranks {ranks}")
@@ -126,8 +130,8 @@ def add_scaled(s, ds, prod, dp, rank, beta=1, alpha=1):
         s = torch.zeros_like(s)  # addmm ignores self (even NaN) when beta is 0
     elif beta != 1:
         s = s * beta
-    # contiguous per example, as the fused kernel's output is (the add would follow the
-    # product's layout, where the batch may sit among the columns, so a view of it failed)
+    # contiguous per example, as the fused kernel's output is (the add follows its inputs'
+    # layout, where a self batched off the front would leave each example strided)
     return torch.add(s, prod, alpha=alpha).contiguous(), 0
 
 
@@ -142,9 +146,8 @@ def mm(func, args, dims, kwargs):
 def bmm(func, args, dims, kwargs):
     """bmm: one bmm with the vmap batch folded into rows, columns or bmm's own batch."""
     _check_ranks(func, args, dims, ((3,), (3,)))
-    shapes = [logical_shape(t, d) for t, d in zip(args, dims)]
-    if shapes[0][0] != shapes[1][0]:  # bmm does not broadcast its batch: torch's error
-        func(*(torch.empty(s, dtype=t.dtype, device="meta") for s, t in zip(shapes, args)))
+    if logical_shape(args[0], dims[0])[0] != logical_shape(args[1], dims[1])[0]:
+        func(*example_meta(args, dims))  # bmm does not broadcast its batch: torch's error
     return batch_matrix_product(args[0], dims[0], args[1], dims[1])
 
 

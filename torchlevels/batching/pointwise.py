@@ -12,7 +12,7 @@ import torch
 from torch._prims import _prim_elementwise_meta
 from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
 
-from torchlevels.batching.dims import materialize, pad_to_rank, to_front
+from torchlevels.batching.dims import example_meta, materialize, pad_to_rank, to_front
 from torchlevels.batching.registry import (
     batch_size,
     out_of_place,
@@ -53,9 +53,7 @@ def pointwise_rule(func, args, dims, kwargs):
     phys = [pad_to_rank(to_front(a, d), rank) if d is not None else a for a, d in zip(args, dims)]
     if not promote:
         return broadcasting(func, phys, kwargs), 0
-    logical = [torch.empty(a.shape if d is None else a.shape[:d] + a.shape[d + 1:],
-                           dtype=a.dtype, device="meta") if isinstance(a, torch.Tensor) else a
-               for a, d in zip(args, dims)]  # one example's arguments
+    logical = example_meta(args, dims)
     try:  # one example's output dtype, and the error of an op that refuses mixed dtypes
         example = func(*logical, **kwargs)
     except NotImplementedError:  # no meta kernel

@@ -308,10 +308,11 @@ def into_out(func: OpOverload, *args: Any, **kwargs: Any) -> Any:
     names = out_arguments(func)
     outs = [kwargs.pop(name) for name in names]
     result = functional(*args, **kwargs)
+    computed = any(isinstance(a, torch.Tensor) for a in args)  # not a factory's
     for name, out, value in zip(names, outs, (
             (result,) if isinstance(result, torch.Tensor) else result)):
-        if any(isinstance(a, torch.Tensor) for a in args) and not torch.can_cast(
-                value.dtype, out.dtype):  # the out= kernels' own check (copy_ would cast)
+        if computed and not torch.can_cast(value.dtype, out.dtype):
+            # the out= kernels' own check (copy_ would cast)
             raise RuntimeError(f"result type {value.dtype} can't be cast to the desired "
                                f"output type {out.dtype}")
         if out.shape != value.shape:

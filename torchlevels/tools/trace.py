@@ -305,7 +305,7 @@ def _signature(a: Any) -> Any:
 
 def _autocast() -> tuple:
     """The autocast state a trace holds (its ops' dtypes), on the devices that have one."""
-    return tuple((torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))
+    return tuple((d, torch.get_autocast_dtype(d))
                  for d in ("cpu", "cuda") if torch.is_autocast_enabled(d))
 
 
