@@ -1193,3 +1193,34 @@ def test_multi_margin_loss_checks_the_weight_size():
             vmap(lambda x, t, w: F.multi_margin_loss(x, t, weight=w), in_dims)(x, t, w)
         with pytest.raises(RuntimeError, match="inconsistent weight size"):
             F.multi_margin_loss(x[0], t[0], weight=w[0] if in_dims[2] == 0 else w)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.bool, torch.complex64])
+@pytest.mark.parametrize("name, f, shapes", [
+    ("max_unpool2d", lambda o, i: F.max_unpool2d(o, i, 2), [(B, 2, 2, 2), None]),
+    ("max_unpool1d", lambda o, i: F.max_unpool1d(o, i, 2), [(B, 2, 4), None]),
+    ("prelu", F.prelu, [(B, 2, 4), (B, 1)]),
+    ("multi_margin_loss", F.multi_margin_loss, [(B, 2, 5), "target"]),
+])
+def test_a_dtype_the_ops_kernel_lacks_raises_its_error(name, f, shapes, dtype):
+    # these ops are batched in other ops (a decomposition), which took integer, bool and
+    # complex input that each example's call refuses ("... not implemented for 'Long'")
+    x = torch.randn(shapes[0]).to(dtype)
+    if shapes[1] is None:  # max_unpool's indices: where max pooling found each maximum
+        y = torch.arange(0, 2 * x[0, 0].numel(), 2).view(x.shape[2:]).expand(x.shape)
+    elif shapes[1] == "target":
+        y = torch.randint(0, 5, (B, 2))
+    else:
+        y = torch.ones(shapes[1]).to(dtype)
+    with pytest.raises(NotImplementedError, match="not implemented for") as expected:
+        ft.vmap(f)(x, y)
+    with pytest.raises(NotImplementedError, match=str(expected.value).split('"')[1]):
+        vmap(f)(x, y)
+
+
+def test_multi_margin_loss_of_float16_raises_where_its_cpu_kernel_does():
+    x, target = torch.randn(B, 2, 5).half(), torch.randint(0, 5, (B, 2))
+    with pytest.raises(NotImplementedError, match="not implemented for 'Half'"):
+        ft.vmap(F.multi_margin_loss)(x, target)
+    with pytest.raises(NotImplementedError, match="not implemented for 'Half'"):
+        vmap(F.multi_margin_loss)(x, target)

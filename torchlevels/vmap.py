@@ -40,7 +40,7 @@ from torchlevels._level import (
 )
 from torchlevels._torch_compile import eager
 from torchlevels.batching import predispatch, shortcuts
-from torchlevels.batching.dims import pad_to_rank
+from torchlevels.batching.dims import pad_to_rank, refuse_dtypes_the_kernel_refuses
 from torchlevels.batching.pointwise import broadcasting
 from torchlevels.batching.registry import (
     How,
@@ -146,6 +146,7 @@ class BatchLevel(Level):
             if out is not None:
                 return out
         if rule.how is How.DECOMPOSITION:
+            refuse_dtypes_the_kernel_refuses(func, args, (None,) * len(args), kwargs or {})
             return rule.fn(*args, **kwargs)
         phys, dims, grad = unwrap_args(cls, args)
         if rule.inplace and phys and isinstance(phys[0], torch.Tensor) and (

@@ -36,6 +36,38 @@ def example_meta(args, dims) -> list:
             if isinstance(a, torch.Tensor) else a for a, d in zip(args, dims)]
 
 
+_KERNEL_TAKES: set[tuple] = set()  # (op, its tensors' dtypes and devices) run once
+
+
+def refuse_dtypes_the_kernel_refuses(func, args, dims, kwargs) -> None:
+    """Raise the error each example's call raises when ``func``'s own kernel has no
+    version for its tensors' dtypes (``"prelu_cpu" not implemented for 'Long'``). A rule
+    that computes ``func`` in other ops (a decomposition) would answer instead.
+
+    The first time ``func`` meets a combination of dtypes and devices, its kernel runs on
+    zeros shaped as one example, unseen by any level, mode or autograd; any other error
+    there (the zeros may be bad values) is the rule's to find. (Ops given lists of
+    tensors, or tensors as keywords, are not run.)
+    """
+    if any(isinstance(a, (list, tuple)) and any(isinstance(i, torch.Tensor) for i in a)
+           for a in args) or any(isinstance(v, torch.Tensor) for v in kwargs.values()):
+        return
+    examples = [torch.zeros(logical_shape(a, d), dtype=a.dtype, device=a.device)
+                if isinstance(a, torch.Tensor) else a for a, d in zip(args, dims)]
+    key = (func, *((a.dtype, a.device.type) for a in examples if isinstance(a, torch.Tensor)))
+    if key in _KERNEL_TAKES or len(key) == 1:
+        return
+    try:
+        with torch._C._DisableTorchDispatch(), torch.no_grad():
+            func(*examples, **kwargs)
+    except NotImplementedError as error:
+        if "not implemented for" in str(error):
+            raise
+    except Exception:
+        pass
+    _KERNEL_TAKES.add(key)
+
+
 def span(sizes, strides) -> int:
     """How many storage elements a layout reaches from its first: 0 when it is empty."""
     if not all(sizes):

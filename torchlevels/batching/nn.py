@@ -26,6 +26,7 @@ from torchlevels.batching.dims import (
     materialize,
     pad_to_rank,
     per_example,
+    refuse_dtypes_the_kernel_refuses,
     to_front,
 )
 from torchlevels.batching.max_pool import max_pool
@@ -668,7 +669,7 @@ def multi_margin_loss(func, args, dims, kwargs):
     """Each row's loss in one call (PyTorch's decomposition, which differentiates in every
     mode), scaled by its class weight, then each example's reduction over its rows. (The
     decomposition alone gives an unreduced 1-d example's loss a dim of 1.)"""
-    _floating_only(func, args[0])
+    refuse_dtypes_the_kernel_refuses(func, args, dims, kwargs)
     a = _margin_rows(func, args, dims, 0)
     loss = decomposition_of(func)(a["rows"], a["target"], a["p"], a["margin"], None, 0)
     if a["weight"] is not None:
