@@ -724,6 +724,16 @@ def test_one_hot_of_a_batched_tensor_needs_num_classes():
         torchlevels.vmap(F.one_hot)(labels)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.int32, torch.uint8])
+def test_one_hot_of_labels_not_int64_raises_as_each_examples_call(dtype):
+    # the decomposition it is batched by took labels of any dtype
+    labels = torch.tensor([[1, 2], [3, 0]]).to(dtype)
+    with pytest.raises(RuntimeError, match="one_hot is only applicable to index tensor"):
+        torch.func.vmap(lambda y: F.one_hot(y, 5))(labels)
+    with pytest.raises(RuntimeError, match="one_hot is only applicable to index tensor"):
+        torchlevels.vmap(lambda y: F.one_hot(y, 5))(labels)
+
+
 _W = torch.randn(4, 5)
 _BY_ONE_INDEX = {  # x of shape (4, 5, 6) per example, i one example's index (0-dim)
     "x[i]": lambda x, i: x[i],

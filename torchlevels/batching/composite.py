@@ -15,7 +15,7 @@ import torch
 from torch._ops import OpOverload
 
 from torchlevels._level import LevelTensor, in_level_graph, requires_grad_flag, tracked_outside
-from torchlevels.batching.dims import pad_to_rank, to_front
+from torchlevels.batching.dims import example_meta, pad_to_rank, to_front
 from torchlevels.batching.predispatch import intercept, passed_by
 from torchlevels.batching.registry import is_composite, registered_rule
 
@@ -134,6 +134,8 @@ def matmul(func, args, dims, kwargs):
 def one_hot(func, args, dims, kwargs):
     """Decomposes as usual, but a batched input without ``num_classes`` cannot: the
     number of classes would be read from each example's largest label."""
+    if args[0].dtype != torch.int64:  # torch's error (the decomposition takes any dtype)
+        func(*example_meta(args, dims), **kwargs)
     num_classes = args[1] if len(args) > 1 else kwargs.get("num_classes", -1)
     if dims[0] is not None and num_classes == -1:
         raise RuntimeError(
