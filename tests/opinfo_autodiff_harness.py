@@ -1,12 +1,13 @@
 """Check autodiff transforms against torch.autograd on PyTorch's OpInfo samples.
 
 For each OpInfo that supports autograd we take float64 CPU samples made with
-``requires_grad=True``. The differentiated inputs of a sample are its floating tensor
-leaves of ``(input, *args)`` that require grad; everything else (integer tensors,
-keyword arguments) is held fixed. The op's floating outputs (after the sample's
-``output_process_fn_grad``) are what is differentiated. Five transforms are checked, each
-against a reference computed with plain ``torch.autograd`` on the same inputs, so that
-``torch.func`` and ``torchlevels`` are measured by the same yardstick:
+``requires_grad=True`` (or complex128 ones: ``dtype``). The differentiated inputs of a
+sample are its floating (or complex) tensor leaves of ``(input, *args)`` that require
+grad; everything else (integer tensors, keyword arguments) is held fixed. The op's floating
+outputs (after the sample's ``output_process_fn_grad``) are what is differentiated. Five
+transforms are checked, each against a reference computed with plain ``torch.autograd`` on
+the same inputs, so that ``torch.func`` and ``torchlevels`` are measured by the same
+yardstick:
 
 - ``grad``: the gradient of a weighted sum of the outputs (fixed random weights, seeded
   per sample) w.r.t. every differentiated input, vs ``torch.autograd.grad``.
@@ -77,7 +78,8 @@ def _fresh(x: Any) -> Any:
 
 
 def _differentiable(t: Any) -> bool:
-    return isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad
+    return isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()) and (
+        t.requires_grad)
 
 
 def _make_fn(op, sample, leaves: list, spec, diff: list[int], outputs: list[int] | None):
@@ -113,8 +115,9 @@ def _same(a: tuple, b: tuple) -> bool:
     return True
 
 
-def cases(op, max_samples: int, scan: int | None = None, small: bool = False) -> list[Case]:
-    """Usable float64 samples of ``op``: at most ``max_samples`` of the first ``scan``.
+def cases(op, max_samples: int, scan: int | None = None, small: bool = False,
+          dtype: torch.dtype = torch.float64) -> list[Case]:
+    """Usable ``dtype`` samples of ``op``: at most ``max_samples`` of the first ``scan``.
 
     A sample is unusable when it has no differentiated input or no floating output, or
     when the op raises on it. With ``small`` (for Jacobians), samples over
@@ -124,7 +127,7 @@ def cases(op, max_samples: int, scan: int | None = None, small: bool = False) ->
     seed gives different outputs.
     """
     torch.manual_seed(0)
-    raw = op.sample_inputs(torch.get_default_device(), torch.float64, requires_grad=True)
+    raw = op.sample_inputs(torch.get_default_device(), dtype, requires_grad=True)
     found: list[Case] = []
     fallback: list[tuple[int, Any]] = []  # (input elements, sample index) of big samples
     samples = list(itertools.islice(raw, scan or max_samples))
@@ -335,12 +338,12 @@ def compare(actual: list, expected: list) -> str:
 # -- running ---------------------------------------------------------------------------
 
 
-def unsupported(op, transform: str) -> str:
+def unsupported(op, transform: str, dtype: torch.dtype = torch.float64) -> str:
     """Why ``transform`` is not checked on ``op`` ('' when it is)."""
     if not op.supports_autograd:
         return "op does not support autograd"
-    if torch.float64 not in op.supported_backward_dtypes(torch.get_default_device().type):
-        return "no float64 backward on CPU"
+    if dtype not in op.supported_backward_dtypes(torch.get_default_device().type):
+        return f"no {dtype} backward on CPU"
     if transform in ("jvp", "jacfwd", "hessian") and not op.supports_forward_ad:
         return "op does not support forward AD"
     if transform == "hessian" and not op.supports_fwgrad_bwgrad:
@@ -348,11 +351,12 @@ def unsupported(op, transform: str) -> str:
     return ""
 
 
-def _cases_for(op, transform: str) -> tuple[list[Case], list[list[torch.Tensor]]]:
+def _cases_for(op, transform: str, dtype: torch.dtype
+               ) -> tuple[list[Case], list[list[torch.Tensor]]]:
     if transform in ("grad", "jvp"):
-        found = cases(op, MAX_SAMPLES)
+        found = cases(op, MAX_SAMPLES, dtype=dtype)
     else:
-        found = cases(op, JAC_SAMPLES, scan=JAC_SCAN, small=True)
+        found = cases(op, JAC_SAMPLES, scan=JAC_SCAN, small=True, dtype=dtype)
     usable, expected = [], []
     for case in found:
         if case.random and transform in ("jacfwd", "hessian"):
@@ -372,7 +376,8 @@ class _Random(Exception):
 
 
 def run_transform(op, transform: str, impls: dict[str, Any], timeout: float | None = None,
-                  not_run: dict[str, str] | None = None) -> dict[str, Outcome]:
+                  not_run: dict[str, str] | None = None, dtype: torch.dtype = torch.float64,
+                  ) -> dict[str, Outcome]:
     """Check each of ``impls`` (name -> torch.func-like module) on ``op`` under ``transform``.
 
     The reference is computed once and shared. Each implementation stops at its first
@@ -380,7 +385,7 @@ def run_transform(op, transform: str, impls: dict[str, Any], timeout: float | No
     ``not_run`` (name -> reason) names implementations that fail without being run
     (they would crash the process).
     """
-    why = unsupported(op, transform)
+    why = unsupported(op, transform, dtype)
     if why:
         return {name: Outcome("skip", why) for name in impls}
     not_run = not_run or {}
@@ -388,7 +393,7 @@ def run_transform(op, transform: str, impls: dict[str, Any], timeout: float | No
         return {name: Outcome("fail", f"not run: {not_run[name]}") for name in impls}
     try:
         with _time_limit(timeout):
-            usable, expected = _cases_for(op, transform)
+            usable, expected = _cases_for(op, transform, dtype)
     except _Timeout:
         why = f"the reference took over {timeout}s"
     except _Nondeterministic:
@@ -429,6 +434,7 @@ def _check(transform: str, impl: Any, usable: list[Case], expected: list, timeou
     return outcome
 
 
-def run_op(op, transform: str, impl: Any, timeout: float | None = None) -> Outcome:
+def run_op(op, transform: str, impl: Any, timeout: float | None = None,
+           dtype: torch.dtype = torch.float64) -> Outcome:
     """:func:`run_transform` for one implementation."""
-    return run_transform(op, transform, {"impl": impl}, timeout)["impl"]
+    return run_transform(op, transform, {"impl": impl}, timeout, dtype=dtype)["impl"]
