@@ -101,10 +101,10 @@ class Sample:
     spec: Any
 
 
-def samples(op) -> Iterator[Sample]:
-    """The op's first float32 CPU samples, each with ``BATCH`` examples per tensor."""
+def samples(op, dtype: torch.dtype = torch.float32) -> Iterator[Sample]:
+    """The op's first ``dtype`` CPU samples, each with ``BATCH`` examples per tensor."""
     torch.manual_seed(0)
-    raw = op.sample_inputs(torch.get_default_device(), torch.float32, requires_grad=False)
+    raw = op.sample_inputs(torch.get_default_device(), dtype, requires_grad=False)
     for s in itertools.islice(raw, MAX_SAMPLES):
         args = (s.input, *s.args)
         flat, spec = tree_flatten(args)

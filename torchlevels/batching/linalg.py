@@ -148,6 +148,8 @@ def pdist(func, args, dims, kwargs):
     x, p = (*args, 2.0)[:2]
     func(torch.empty(logical_shape(x, dims[0]), dtype=x.dtype, device="meta"), p)  # errors
     x = to_front(x, dims[0]).contiguous()
+    if x.shape[1] < 2:  # no pairs: pdist answers before its kernel's dtype check, cdist not
+        return x.flatten(1)[:, :0].clone(), 0  # (from x: autograd outside sees the graph)
     i, j = torch.triu_indices(x.shape[1], x.shape[1], offset=1, device=x.device)
     return aten._cdist_forward(x, x, p, 2)[:, i, j], 0  # 2: never through a matrix product
 
