@@ -636,9 +636,11 @@ def einsum(cls, func, args, kwargs):
         out = _call(torch.einsum, (f"{','.join(terms)}->{letter}{output}", *phys), {})
     except (RuntimeError, IndexError, TypeError, ValueError):
         return None  # the usual path raises torch's own error, naming the example's dims
-    # each example contiguous (the batch's letter may leave it among another dim's rows,
-    # where one example's einsum gives a tensor that .view accepts)
-    return wrap_front(cls, out.contiguous())
+    # of one operand, a view of it (a diagonal, a permutation), as each example's einsum
+    # gives, so writes go through; of more, each example contiguous (the batch's letter may
+    # leave it among another dim's rows, where one example's einsum gives a tensor that
+    # .view accepts)
+    return wrap_front(cls, out if len(phys) == 1 else out.contiguous())
 
 
 _LETTERS = "ZYXWVUTSRQPONMLKJIHGFEDCBAzyxwvutsrqponmlkjihgfedcba"
