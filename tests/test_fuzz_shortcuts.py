@@ -4,6 +4,7 @@ results then viewed or written in place), each compared on the same inputs."""
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.func import vmap as func_vmap
 
 from torchlevels import vmap
@@ -28,3 +29,22 @@ def test_einsum_of_one_operand_is_a_view_of_it(equation, write):
     ours, expected = x.clone(), x.clone()
     assert_close(vmap(f)(ours), func_vmap(f)(expected))
     assert_close(ours, expected)
+
+
+@pytest.mark.parametrize("op", [
+    lambda a: F.conv2d(a, torch.ones(4, 3, 3, 3)),
+    lambda a: F.avg_pool2d(a, 2),
+    lambda a: F.max_pool2d(a, 2),
+    lambda a: F.adaptive_avg_pool2d(a, 2),
+])
+def test_convolution_and_pooling_of_a_channels_last_batch_then_viewed(op):
+    # a batch of 3-d examples laid out channels-last: the shortcut pooled the 4-d batch,
+    # whose output PyTorch lays out channels-last too, so each example was not contiguous
+    # and .view raised where a loop views it (torch.func raises too: the loop is the
+    # reference)
+    x = torch.randn(3, 3, 6, 6).contiguous(memory_format=torch.channels_last)
+
+    def f(a):
+        return op(a).view(-1)
+
+    assert_close(vmap(f)(x), torch.stack([f(a) for a in x]))

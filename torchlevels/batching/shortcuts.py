@@ -330,6 +330,11 @@ def example_rank(rank: int, run: Callable = _call) -> Shortcut:
         if inner is None or not _unbatched_rest(cls, args, kwargs):
             return None
         if inner.dim() - 1 == rank:
+            if not inner.is_contiguous():
+                # a batch laid out otherwise (channels-last) gives outputs laid out so,
+                # where one example's call, a dim fewer, gives them contiguous: the usual
+                # path lays each example out as its call does
+                return None
             return wrap_all_front(cls, run(func, (inner, *args[1:]), kwargs))
         if inner.dim() - 1 != rank + 1:
             return None
