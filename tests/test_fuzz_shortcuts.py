@@ -48,3 +48,18 @@ def test_convolution_and_pooling_of_a_channels_last_batch_then_viewed(op):
         return op(a).view(-1)
 
     assert_close(vmap(f)(x), torch.stack([f(a) for a in x]))
+
+
+@pytest.mark.parametrize("op", [
+    lambda a: a.contiguous(memory_format=torch.channels_last),
+    lambda a: a.clone(memory_format=torch.channels_last),
+    lambda a: a.to(memory_format=torch.channels_last),
+])
+def test_channels_last_of_an_example_of_the_wrong_rank_raises(op):
+    # a 3-d example cannot be laid out channels-last; the batch of them, 4-d, can, and
+    # vmap returned it unchanged where each example's call raises
+    x = torch.randn(2, 3, 4, 4)
+    with pytest.raises(RuntimeError) as expected:
+        op(x[0])
+    with pytest.raises(RuntimeError, match=str(expected.value)):
+        vmap(op)(x)

@@ -224,7 +224,9 @@ def _channels_last(func, args, dims, kwargs, memory_format):
     x = to_front(args[0], dims[0])
     out = func(x, *args[1:], **{**kwargs, "memory_format": torch.contiguous_format})
     if out.dim() != _CHANNELS_LAST[memory_format] + 1:
-        return func(*args, **kwargs), dims[0]  # let torch raise its rank error
+        # torch's rank error, as one example's call raises it (the batch, one dim more,
+        # may have the rank the layout takes)
+        func(*example_meta(args, dims), **kwargs)
     last = out.dim() - 1
     order = [0, 1, *range(3, last + 1), 2]  # (B, N, C, *spatial) -> (B, N, *spatial, C)
     back = [0, 1, last, *range(2, last)]
