@@ -63,3 +63,20 @@ def test_channels_last_of_an_example_of_the_wrong_rank_raises(op):
         op(x[0])
     with pytest.raises(RuntimeError, match=str(expected.value)):
         vmap(op)(x)
+
+
+@pytest.mark.parametrize("op", [torch.mm, torch.matmul])
+def test_a_matrix_product_into_an_out_tensor_of_another_dtype_raises(op):
+    # mm's out= kernel takes only its result's dtype; vmap ran mm, then copied the result
+    # into the float64 out tensor, casting it, where each example's call raises
+    x, w = torch.randn(2, 2, 3), torch.randn(3, 2)
+    out = torch.empty(2, 2, 2, dtype=torch.float64)
+
+    def f(a, o):
+        return op(a, w, out=o)
+
+    with pytest.raises(RuntimeError, match="Expected out tensor to have dtype"):
+        f(x[0], out[0])
+    with pytest.raises(RuntimeError, match="Expected out tensor to have dtype"):
+        vmap(f)(x, out)
+    assert_close(vmap(f)(x, out.float()), torch.stack([f(a, o) for a, o in zip(x, out.float())]))

@@ -17,6 +17,7 @@ else for its packet; for a ``torch.library.custom_op``, the rule given to its
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import functools
 import warnings
@@ -27,6 +28,7 @@ from typing import Any, NamedTuple
 import torch
 from torch._library.custom_ops import _maybe_get_opdef
 from torch._ops import OpOverload, OpOverloadPacket
+from torch.utils._pytree import tree_map_only
 
 from torchlevels._level import LevelTensor
 from torchlevels.batching import shortcuts
@@ -308,13 +310,17 @@ def into_out(func: OpOverload, *args: Any, **kwargs: Any) -> Any:
     names = out_arguments(func)
     outs = [kwargs.pop(name) for name in names]
     result = functional(*args, **kwargs)
-    computed = any(isinstance(a, torch.Tensor) for a in args)  # not a factory's
-    for name, out, value in zip(names, outs, (
-            (result,) if isinstance(result, torch.Tensor) else result)):
-        if computed and not torch.can_cast(value.dtype, out.dtype):
-            # the out= kernels' own check (copy_ would cast)
-            raise RuntimeError(f"result type {value.dtype} can't be cast to the desired "
-                               f"output type {out.dtype}")
+    results = (result,) if isinstance(result, torch.Tensor) else result
+    if any(isinstance(a, torch.Tensor) for a in args):  # not a factory's
+        for out, value in zip(outs, results):
+            if not torch.can_cast(value.dtype, out.dtype):
+                # the out= kernels' own check (copy_ would cast)
+                raise RuntimeError(f"result type {value.dtype} can't be cast to the desired "
+                                   f"output type {out.dtype}")
+        # and the checks of kernels that take only their result's dtype (mm, matmul),
+        # raised by one example's call on meta tensors
+        _out_call_on_meta(func, args, dict(kwargs, **dict(zip(names, outs))))
+    for name, out, value in zip(names, outs, results):
         if out.shape != value.shape:
             out.resize_(value.shape)
         try:
@@ -326,6 +332,21 @@ def into_out(func: OpOverload, *args: Any, **kwargs: Any) -> Any:
                 f"from a batched one (torch.empty_like(x)), or call {functional} without "
                 "out=.") from error
     return outs[0] if len(outs) == 1 else tuple(outs)
+
+
+def _out_call_on_meta(func: OpOverload, args: tuple, kwargs: dict) -> None:
+    """``func`` on meta tensors of ``args``' and ``kwargs``' logical shapes and dtypes: it
+    raises what the kernel refuses of one example's call."""
+
+    def as_meta(t: torch.Tensor) -> torch.Tensor:
+        return torch.empty(t.shape, dtype=t.dtype, device="meta")
+
+    # (an out tensor's resize warns in the real call; with no meta kernel, the result's
+    # cast to the out tensors is all there is to check)
+    with warnings.catch_warnings(), contextlib.suppress(NotImplementedError):
+        warnings.simplefilter("ignore")
+        func(*tree_map_only(torch.Tensor, as_meta, args),
+             **tree_map_only(torch.Tensor, as_meta, kwargs))
 
 
 @per_op
