@@ -80,3 +80,23 @@ def test_a_matrix_product_into_an_out_tensor_of_another_dtype_raises(op):
     with pytest.raises(RuntimeError, match="Expected out tensor to have dtype"):
         vmap(f)(x, out)
     assert_close(vmap(f)(x, out.float()), torch.stack([f(a, o) for a, o in zip(x, out.float())]))
+
+
+@pytest.mark.parametrize("op", [
+    lambda a, o: torch.exp(a, out=o),
+    lambda a, o: torch.mul(a, 2, out=o),
+    lambda a, o: torch.sum(a, 0, keepdim=True, out=o[:1]),
+])
+def test_an_out_call_on_a_tensor_that_requires_grad_raises_as_autograd_does(op):
+    # autograd refuses out= of a tensor it tracks; vmap ran the functional op and copied
+    # its result into the out tensor, silently
+    x, out = torch.randn(2, 3, requires_grad=True), torch.zeros(2, 3)
+    with pytest.raises(RuntimeError) as expected:
+        op(x[0], out[0].clone())
+    with pytest.raises(RuntimeError, match=r"arguments don't support automatic differentiation"):
+        vmap(op)(x, out.clone())
+    assert "arguments don't support automatic differentiation" in str(expected.value)
+    with torch.no_grad():
+        ours, loop = out.clone(), out.clone()
+        assert_close(vmap(op)(x, ours), torch.stack([op(a, o) for a, o in zip(x, loop)]))
+        assert_close(ours, loop)

@@ -28,9 +28,9 @@ from typing import Any, NamedTuple
 import torch
 from torch._library.custom_ops import _maybe_get_opdef
 from torch._ops import OpOverload, OpOverloadPacket
-from torch.utils._pytree import tree_map_only
+from torch.utils._pytree import tree_leaves, tree_map_only
 
-from torchlevels._level import LevelTensor
+from torchlevels._level import LevelTensor, autograd_on, differentiated
 from torchlevels.batching import shortcuts
 
 Rule = Callable[[OpOverload, tuple, tuple, dict], tuple[Any, Any]]
@@ -317,8 +317,8 @@ def into_out(func: OpOverload, *args: Any, **kwargs: Any) -> Any:
                 # the out= kernels' own check (copy_ would cast)
                 raise RuntimeError(f"result type {value.dtype} can't be cast to the desired "
                                    f"output type {out.dtype}")
-        # and the checks of kernels that take only their result's dtype (mm, matmul),
-        # raised by one example's call on meta tensors
+        # and the checks of kernels that take only their result's dtype (mm, matmul), and
+        # autograd's, raised by one example's call on meta tensors
         _out_call_on_meta(func, args, dict(kwargs, **dict(zip(names, outs))))
     for name, out, value in zip(names, outs, results):
         if out.shape != value.shape:
@@ -335,18 +335,25 @@ def into_out(func: OpOverload, *args: Any, **kwargs: Any) -> Any:
 
 
 def _out_call_on_meta(func: OpOverload, args: tuple, kwargs: dict) -> None:
-    """``func`` on meta tensors of ``args``' and ``kwargs``' logical shapes and dtypes: it
-    raises what the kernel refuses of one example's call."""
+    """``func`` on meta tensors of ``args``' and ``kwargs``' logical shapes and dtypes,
+    tracked by autograd where they are: it raises what the kernel, or autograd, refuses of
+    one example's call (autograd refuses out= of tensors it tracks)."""
 
     def as_meta(t: torch.Tensor) -> torch.Tensor:
-        return torch.empty(t.shape, dtype=t.dtype, device="meta")
+        return torch.empty(t.shape, dtype=t.dtype, device="meta",
+                           requires_grad=differentiated(t) and (
+                               t.is_floating_point() or t.is_complex()))
 
-    # (an out tensor's resize warns in the real call; with no meta kernel, the result's
+    args, kwargs = tree_map_only(torch.Tensor, as_meta, (args, kwargs))
+    tracked = any(isinstance(t, torch.Tensor) and t.requires_grad
+                  for t in tree_leaves((args, kwargs)))
+    # (autograd switched back on, inside a level's dispatch, where something is tracked;
+    # an out tensor's resize warns in the real call; with no meta kernel, the result's
     # cast to the out tensors is all there is to check)
-    with warnings.catch_warnings(), contextlib.suppress(NotImplementedError):
+    with warnings.catch_warnings(), contextlib.suppress(NotImplementedError), (
+            autograd_on() if tracked else contextlib.nullcontext()):
         warnings.simplefilter("ignore")
-        func(*tree_map_only(torch.Tensor, as_meta, args),
-             **tree_map_only(torch.Tensor, as_meta, kwargs))
+        func(*args, **kwargs)
 
 
 @per_op
