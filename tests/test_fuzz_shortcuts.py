@@ -100,3 +100,21 @@ def test_an_out_call_on_a_tensor_that_requires_grad_raises_as_autograd_does(op):
         ours, loop = out.clone(), out.clone()
         assert_close(vmap(op)(x, ours), torch.stack([op(a, o) for a, o in zip(x, loop)]))
         assert_close(ours, loop)
+
+
+@pytest.mark.parametrize("op", [
+    lambda a, o: torch.cat([a, a], out=o),
+    lambda a, o: torch.stack([a, a], out=o.view(2, 3)),
+])
+@pytest.mark.parametrize("case", ["tracked", "int64 out"])
+def test_cat_and_stack_into_an_out_tensor_check_it_as_each_example_does(op, case):
+    # cat and stack take their tensors in a list, which the out= path took for a
+    # factory's arguments, skipping its checks: the result was cast into an int64 out
+    # tensor, and written into one while autograd tracked the inputs
+    x, out = torch.randn(2, 3, requires_grad=case == "tracked"), torch.zeros(2, 6)
+    if case == "int64 out":
+        out = out.long()
+    with pytest.raises((RuntimeError, TypeError)):  # (cat's cast error is a TypeError)
+        op(x[0], out[0].clone())
+    with pytest.raises(RuntimeError, match="(cast|automatic differentiation)"):
+        vmap(op)(x, out.clone())

@@ -311,7 +311,7 @@ def into_out(func: OpOverload, *args: Any, **kwargs: Any) -> Any:
     outs = [kwargs.pop(name) for name in names]
     result = functional(*args, **kwargs)
     results = (result,) if isinstance(result, torch.Tensor) else result
-    if any(isinstance(a, torch.Tensor) for a in args):  # not a factory's
+    if any(isinstance(a, torch.Tensor) for a in tree_leaves(args)):  # not a factory's
         for out, value in zip(outs, results):
             if not torch.can_cast(value.dtype, out.dtype):
                 # the out= kernels' own check (copy_ would cast)
