@@ -118,3 +118,19 @@ def test_cat_and_stack_into_an_out_tensor_check_it_as_each_example_does(op, case
         op(x[0], out[0].clone())
     with pytest.raises(RuntimeError, match="(cast|automatic differentiation)"):
         vmap(op)(x, out.clone())
+
+
+@pytest.mark.parametrize("op", [
+    lambda a: a.squeeze_(0), lambda a: a.unsqueeze_(0), lambda a: a.t_(),
+    lambda a: a.transpose_(0, 1),
+])
+def test_an_in_place_view_op_on_a_leaf_that_requires_grad_raises(op):
+    # squeeze_ and kin change only the wrapper's metadata, so autograd never checked the
+    # leaf they were called on, where each example's call raises
+    x = torch.randn(2, 1, 3, requires_grad=True)
+    with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
+        op(x[0])
+    with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
+        vmap(op)(x)
+    with torch.no_grad():
+        assert_close(vmap(op)(x.clone()), torch.stack([op(a) for a in x.clone()]))

@@ -231,6 +231,7 @@ def wrap_outputs(cls, func, inplace: bool, args, out, out_dims):
         elif inplace and type(args[0]) is cls:
             self_ = args[0]
             if out is not self_._inner:  # e.g. squeeze_: the wrapper takes the new view
+                _refuse_tracked_leaf(self_._inner)
                 _rewrap_inplace(self_, out, out_dims)
             return self_
         else:
@@ -331,6 +332,20 @@ def _zeros(zero: torch.Tensor) -> torch.Tensor:
     zeros: inside ``__torch_dispatch__`` its dispatch key is off, and a kernel that a rule
     calls on it (``dot`` run as ``mv``) would read memory it does not have."""
     return torch.zeros(zero.shape, dtype=zero.dtype, device=zero.device)
+
+
+def _refuse_tracked_leaf(inner: torch.Tensor) -> None:
+    """Autograd's check of an in-place op, for one that only changes the metadata of
+    ``inner`` (``squeeze_``, ``t_``), which no kernel then runs on for autograd to check:
+    a leaf that autograd tracks, or a view of one, is not written in place."""
+    if not (torch.is_grad_enabled() and requires_grad_flag(inner) and tracked_outside(inner)):
+        return
+    if inner.is_leaf:
+        raise RuntimeError("a leaf Variable that requires grad is being used in an in-place "
+                           "operation.")
+    if inner._is_view() and inner._base.is_leaf:
+        raise RuntimeError("a view of a leaf Variable that requires grad is being used in "
+                           "an in-place operation.")
 
 
 def _rewrap_inplace(self: torch.Tensor, inner: torch.Tensor, bdim: int) -> None:
