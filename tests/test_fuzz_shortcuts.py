@@ -134,3 +134,15 @@ def test_an_in_place_view_op_on_a_leaf_that_requires_grad_raises(op):
         vmap(op)(x)
     with torch.no_grad():
         assert_close(vmap(op)(x.clone()), torch.stack([op(a) for a in x.clone()]))
+
+
+@pytest.mark.parametrize("weight", [None, torch.ones(6)])
+def test_rms_norm_of_a_channels_last_batch_then_viewed(weight):
+    # as for convolution: rms_norm of the 4-d channels-last batch kept its layout, so each
+    # 3-d example's output was not contiguous, and .view raised where a loop views it
+    x = torch.randn(3, 4, 5, 6).contiguous(memory_format=torch.channels_last)
+
+    def f(a):
+        return F.rms_norm(a, (6,), weight).view(-1)
+
+    assert_close(vmap(f)(x), torch.stack([f(a) for a in x]))

@@ -481,6 +481,12 @@ def normalized_trailing(cls, func, args, kwargs):
     front is one more leading dim."""
     shape = args[1] if len(args) > 1 else kwargs.get("normalized_shape")
     count = 1 if type(shape) is int else len(shape) if isinstance(shape, (tuple, list)) else -1
+    inner = _own(cls, args[0])
+    if inner is not None and inner.dim() in (4, 5) and not inner.is_contiguous():
+        # a batch laid out channels-last gives a norm laid out so (rms_norm keeps its
+        # input's layout), where one example's, a dim fewer, is contiguous: the usual
+        # path lays each example out as its call does
+        return None
     return _first_batched(cls, func, args, kwargs, lambda rank: rank >= count >= 0)
 
 
