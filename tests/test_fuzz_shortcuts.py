@@ -122,7 +122,7 @@ def test_cat_and_stack_into_an_out_tensor_check_it_as_each_example_does(op, case
 
 @pytest.mark.parametrize("op", [
     lambda a: a.squeeze_(0), lambda a: a.unsqueeze_(0), lambda a: a.t_(),
-    lambda a: a.transpose_(0, 1),
+    lambda a: a.transpose_(0, 1), lambda a: a[0].t_(), lambda a: a.squeeze_(1),
 ])
 def test_an_in_place_view_op_on_a_leaf_that_requires_grad_raises(op):
     # squeeze_ and kin change only the wrapper's metadata, so autograd never checked the

@@ -230,8 +230,8 @@ def wrap_outputs(cls, func, inplace: bool, args, out, out_dims):
             out_dims = (out_dims,) * len(out)  # one batch dim for every output
         elif inplace and type(args[0]) is cls:
             self_ = args[0]
+            _refuse_tracked_leaf(func, self_._inner)
             if out is not self_._inner:  # e.g. squeeze_: the wrapper takes the new view
-                _refuse_tracked_leaf(self_._inner)
                 _rewrap_inplace(self_, out, out_dims)
             return self_
         else:
@@ -334,11 +334,12 @@ def _zeros(zero: torch.Tensor) -> torch.Tensor:
     return torch.zeros(zero.shape, dtype=zero.dtype, device=zero.device)
 
 
-def _refuse_tracked_leaf(inner: torch.Tensor) -> None:
-    """Autograd's check of an in-place op, for one that only changes the metadata of
-    ``inner`` (``squeeze_``, ``t_``), which no kernel then runs on for autograd to check:
-    a leaf that autograd tracks, or a view of one, is not written in place."""
-    if not (torch.is_grad_enabled() and requires_grad_flag(inner) and tracked_outside(inner)):
+def _refuse_tracked_leaf(func, inner: torch.Tensor) -> None:
+    """Autograd's check of an in-place ``func`` that only changes the metadata of ``inner``
+    (``squeeze_``, ``t_``), which no kernel then runs on for autograd to check: a leaf that
+    autograd tracks, or a view of one, is not written in place."""
+    if not (requires_grad_flag(inner) and torch.is_grad_enabled()
+            and torch.Tag.inplace_view in func.tags and tracked_outside(inner)):
         return
     if inner.is_leaf:
         raise RuntimeError("a leaf Variable that requires grad is being used in an in-place "
