@@ -12,7 +12,13 @@ import torch
 from torch._prims import _prim_elementwise_meta
 from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
 
-from torchlevels.batching.dims import example_meta, materialize, pad_to_rank, to_front
+from torchlevels.batching.dims import (
+    example_meta,
+    logical_shape,
+    materialize,
+    pad_to_rank,
+    to_front,
+)
 from torchlevels.batching.registry import (
     batch_size,
     out_of_place,
@@ -47,6 +53,8 @@ def pointwise_rule(func, args, dims, kwargs):
     fast = fast and rank == batched_rank  # no unbatched tensor outranks the batched ones
     if dims[0] is None and writes_first_argument(func):
         raise_inplace_unbatched_self(func)
+    if not fast and writes_first_argument(func):
+        _check_written_shape(args, dims)
     promote = scalar_batched and len(dtypes) > 1
     if fast and not promote:
         return broadcasting(func, args, kwargs), 0
@@ -64,6 +72,17 @@ def pointwise_rule(func, args, dims, kwargs):
     if isinstance(example, torch.Tensor) and out.dtype != example.dtype:
         out = out.to(example.dtype)  # an op that keeps one input's dtype (masked_fill)
     return out, 0
+
+
+def _check_written_shape(args, dims) -> None:
+    """Raise each example's error when an in-place op's other tensors broadcast to more
+    than its ``self``: padded to their rank, ``self`` would take the op's result and
+    silently change shape (a 0-dim example times a 1-element vector, in place)."""
+    shapes = [logical_shape(a, d) for a, d in zip(args, dims) if isinstance(a, torch.Tensor)]
+    broadcast = torch.broadcast_shapes(*shapes)
+    if broadcast != shapes[0]:
+        raise RuntimeError(f"output with shape {list(shapes[0])} doesn't match the broadcast "
+                           f"shape {list(broadcast)}")
 
 
 def broadcasting(func, args, kwargs):

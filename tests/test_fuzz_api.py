@@ -1,0 +1,41 @@
+"""The vmap API surface found by a fourth round of differential fuzzing against
+torch.func.vmap and a per-example loop (in_dims/out_dims pytrees, Python operators on
+batched tensors, in-place writes, randomness, the imperative API), each compared on the
+same inputs."""
+
+import re
+
+import pytest
+import torch
+
+from torchlevels import vmap
+
+pytestmark = pytest.mark.filterwarnings("ignore")  # torch.func's slow-fallback warnings
+
+
+def loop(f, in_dims, *args):
+    """The reference: f on each example, stacked."""
+    size = next(a.shape[d] for a, d in zip(args, in_dims) if d is not None)
+    return torch.stack([f(*(a if d is None else a.select(d, i) for a, d in zip(args, in_dims)))
+                        for i in range(size)])
+
+
+@pytest.mark.parametrize("write", [
+    lambda x, y: x.mul_(y),
+    lambda x, y: x.__iand__(y),
+    lambda x, y: x.copy_(y),
+    lambda x, y: x.clamp_min_(y),
+], ids=["mul_", "&=", "copy_", "clamp_min_"])
+@pytest.mark.parametrize("in_dims", [(0, None), (0, 0)])
+def test_an_in_place_op_whose_other_tensor_outranks_self_raises_as_each_example(write, in_dims):
+    # self was padded to the other's rank, so each 0-dim example silently became a vector
+    x, y = torch.tensor([1, 2, 3]), torch.tensor([[1], [1], [1]])
+    other = y[0] if in_dims[1] is None else y
+
+    def f(x, y):
+        return write(x.clone(), y)
+
+    with pytest.raises(RuntimeError, match="doesn't match the broadcast shape") as expected:
+        loop(f, in_dims, x, other)
+    with pytest.raises(RuntimeError, match=re.escape(str(expected.value))):
+        vmap(f, in_dims=in_dims)(x, other)
