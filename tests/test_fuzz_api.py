@@ -39,3 +39,22 @@ def test_an_in_place_op_whose_other_tensor_outranks_self_raises_as_each_example(
         loop(f, in_dims, x, other)
     with pytest.raises(RuntimeError, match=re.escape(str(expected.value))):
         vmap(f, in_dims=in_dims)(x, other)
+
+
+@pytest.mark.parametrize("write", [
+    lambda x, y: x.__irshift__(y),
+    lambda x, y: x.__ilshift__(y),
+    lambda x, y: x.__ior__(y),
+], ids=[">>=", "<<=", "|="])
+def test_an_in_place_operator_whose_result_self_cannot_hold_raises_as_each_example(write):
+    # x >>= y ran as its decomposition, >> then copy_, which cast the int result into the
+    # bool self silently
+    x, y = torch.tensor([[True, False]] * 3), torch.tensor([1, 2], dtype=torch.int32)
+
+    def f(x, y):
+        return write(x.clone(), y)
+
+    with pytest.raises(RuntimeError, match="can't be cast to the desired output type") as expected:
+        loop(f, (0, None), x, y)
+    with pytest.raises(RuntimeError, match=re.escape(str(expected.value))):
+        vmap(f, in_dims=(0, None))(x, y)

@@ -359,11 +359,16 @@ def _out_call_on_meta(func: OpOverload, args: tuple, kwargs: dict) -> None:
 @per_op
 def out_of_place(func: OpOverload) -> OpOverload | None:
     """The out-of-place op of an in-place one (``index_add_.default`` ->
-    ``index_add.default``); None for other ops, or where aten has none."""
+    ``index_add.default``, the operator ``__iand__.Tensor`` -> ``__and__.Tensor``); None
+    for other ops, or where aten has none."""
     name = func.overloadpacket.__name__
-    if not name.endswith("_"):
+    if name.startswith("__i") and name.endswith("__"):
+        name = "__" + name[3:]
+    elif name.endswith("_"):
+        name = name[:-1]
+    else:
         return None
-    packet = getattr(torch.ops.aten, name[:-1], None)
+    packet = getattr(torch.ops.aten, name, None)
     return getattr(packet, func._overloadname, None) if packet is not None else None
 
 
