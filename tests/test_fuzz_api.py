@@ -58,3 +58,17 @@ def test_an_in_place_operator_whose_result_self_cannot_hold_raises_as_each_examp
         loop(f, (0, None), x, y)
     with pytest.raises(RuntimeError, match=re.escape(str(expected.value))):
         vmap(f, in_dims=(0, None))(x, y)
+
+
+@pytest.mark.parametrize("f", [
+    lambda x, y: x << y,
+    lambda x, y: y >> x,
+    lambda x, y: torch.bitwise_left_shift(x, y),
+], ids=["bool << int8", "int8 >> bool", "bitwise_left_shift"])
+@pytest.mark.parametrize("in_dims", [(0, None), (0, 0)])
+def test_shifts_of_bool_and_int_examples_of_0_dims_as_each_example(f, in_dims):
+    # the meta kernel that learns one example's dtype refuses a bool shift the CPU kernel runs
+    x = torch.tensor([True, False, True])
+    y = torch.tensor([2, 1, 3], dtype=torch.int8)
+    y = y if in_dims[1] == 0 else y[0]
+    assert torch.equal(vmap(f, in_dims=in_dims)(x, y), loop(f, in_dims, x, y))

@@ -66,6 +66,10 @@ def pointwise_rule(func, args, dims, kwargs):
         example = func(*logical, **kwargs)
     except NotImplementedError:  # no meta kernel
         example = None
+    except RuntimeError:  # a meta kernel stricter than the real one (bool << int8 tensors)
+        device = next(a.device for a in args if isinstance(a, torch.Tensor))
+        example = func(*(torch.ones(t.shape, dtype=t.dtype, device=device)
+                         if isinstance(t, torch.Tensor) else t for t in logical), **kwargs)
     out_dtype = example.dtype if isinstance(example, torch.Tensor) else None
     out = broadcasting(func, _promote_batched_scalars(func, phys, dims, logical, out_dtype),
                        kwargs)
