@@ -7,6 +7,7 @@ import re
 
 import pytest
 import torch
+from torch.func import vmap as func_vmap
 
 from torchlevels import vmap
 
@@ -72,3 +73,18 @@ def test_shifts_of_bool_and_int_examples_of_0_dims_as_each_example(f, in_dims):
     y = torch.tensor([2, 1, 3], dtype=torch.int8)
     y = y if in_dims[1] == 0 else y[0]
     assert torch.equal(vmap(f, in_dims=in_dims)(x, y), loop(f, in_dims, x, y))
+
+
+@pytest.mark.parametrize("f", [
+    lambda x: x.clone().normal_(),
+    lambda x: x.clone().bernoulli_(0.3),
+    lambda x: torch.randn_like(x),
+    lambda x: torch.randint_like(x, 4),
+], ids=["normal_", "bernoulli_", "randn_like", "randint_like"])
+def test_same_randomness_over_a_batch_of_no_examples(f):
+    # one example's draw selected example 0, which a batch of none does not have;
+    # torch.func itself fails on randn_like there, so its "different" mode is the reference
+    x = torch.randn(0, 3)
+    expected = func_vmap(f, randomness="different")(x)
+    out = vmap(f, randomness="same")(x)
+    assert (out.shape, out.dtype) == (expected.shape, expected.dtype)

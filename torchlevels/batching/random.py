@@ -66,10 +66,10 @@ def rule(level, func, args, dims, kwargs):
         return pointwise_rule(func, args, dims, kwargs)
     # randomness == "same": draw once with the logical shape and share it
     if func.overloadpacket in _LIKE:
-        return func(args[0].select(dims[0], 0), *args[1:], **kwargs), None
+        return func(_an_example(args[0], dims[0]), *args[1:], **kwargs), None
     if inplace and all(d is None for d in dims[1:]):
         self = to_front(args[0], dims[0])
-        sample = torch.empty_like(self[0])
+        sample = torch.empty_like(_an_example(self, 0))
         func(sample, *args[1:], **kwargs)
         self.copy_(sample)
         return self, 0
@@ -85,6 +85,14 @@ def rule(level, func, args, dims, kwargs):
         "the random values would depend on each example. Use randomness='different', or "
         "move the random op out of vmap."
     )
+
+
+def _an_example(x: torch.Tensor, bdim: int) -> torch.Tensor:
+    """The first example of batched ``x``, to draw one example's numbers like it; for a
+    batch of none, an empty tensor of one example's shape (there is no first to select)."""
+    if x.shape[bdim]:
+        return x.select(bdim, 0)
+    return x.new_empty(logical_shape(x, bdim))
 
 
 def _raise_different_inplace(func) -> None:
