@@ -88,3 +88,24 @@ def test_same_randomness_over_a_batch_of_no_examples(f):
     expected = func_vmap(f, randomness="different")(x)
     out = vmap(f, randomness="same")(x)
     assert (out.shape, out.dtype) == (expected.shape, expected.dtype)
+
+
+@pytest.mark.parametrize("query", [
+    lambda t: len(t.untyped_storage()),
+    lambda t: t.untyped_storage().nbytes(),
+    lambda t: t.storage().size(),
+], ids=["len(untyped_storage)", "nbytes", "storage().size()"])
+@pytest.mark.parametrize("transform", ["vmap", "grad"])
+def test_the_storage_of_a_transforms_tensor_raises_as_torch_func(query, transform):
+    # PyTorch gave each wrapper a storage of its logical size, which no example has
+    import torchlevels
+
+    def f(x):
+        return x.sum() * query(x)
+
+    x = torch.randn(3, 4)
+    with pytest.raises(NotImplementedError, match="Cannot access storage"):
+        getattr(torch.func, transform)(f)(x)
+    with pytest.raises(NotImplementedError, match="Cannot access storage"):
+        getattr(torchlevels, transform)(f)(x)
+

@@ -252,6 +252,14 @@ class LevelTensor(torch.Tensor):
                            f"{type(self)._level.describe()} has no storage of its own; "
                            "Cannot access data pointer of Tensor that doesn't have storage")
 
+    def untyped_storage(self) -> torch.UntypedStorage:
+        """PyTorch gives a wrapper a storage of its logical size that holds no data, so
+        ``len(t.untyped_storage())`` or ``t.storage().size()`` would answer a number that
+        no example's storage has: raise, as torch.func's transforms do."""
+        raise NotImplementedError(f"{type(self).__name__}.untyped_storage(): a tensor of "
+                                  f"{type(self)._level.describe()} has no storage of its "
+                                  "own; Cannot access storage of a transform's tensor")
+
     def __format__(self, format_spec: str) -> str:
         """``f"{loss:.3f}"``: a 0-dim tensor formats its value, as a plain tensor does."""
         if self.dim() == 0 and not self.is_meta:
@@ -495,12 +503,13 @@ def set_logical_meta(tensor: LevelTensor, shape, strides, storage_offset: int = 
     """
     end = storage_offset + sum((n - 1) * s for n, s in zip(shape, strides)) + 1
     with torch._C._DisableTorchDispatch():
-        if 0 not in shape and end * tensor.element_size() > tensor.untyped_storage().nbytes():
+        storage = torch.Tensor.untyped_storage  # a level tensor's own method refuses
+        if 0 not in shape and end * tensor.element_size() > storage(tensor).nbytes():
             room = torch.Tensor._make_wrapper_subclass(
                 type(tensor), shape, strides=strides, storage_offset=storage_offset,
                 dtype=tensor.dtype, device=tensor.device)
             torch.ops.aten.set_.source_Storage_storage_offset(
-                tensor, room.untyped_storage(), storage_offset, shape, strides)
+                tensor, storage(room), storage_offset, shape, strides)
         else:
             torch.ops.aten.as_strided_.default(tensor, shape, strides, storage_offset)
 
