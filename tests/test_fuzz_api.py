@@ -109,3 +109,16 @@ def test_the_storage_of_a_transforms_tensor_raises_as_torch_func(query, transfor
     with pytest.raises(NotImplementedError, match="Cannot access storage"):
         getattr(torchlevels, transform)(f)(x)
 
+
+@pytest.mark.parametrize("draw", [
+    lambda: torch.randn(2, 3),
+    lambda: torch.rand_like(torch.zeros(3)),
+], ids=["randn", "rand_like"])
+def test_a_draw_in_a_different_randomness_block_before_its_batch_size_raises_clearly(draw):
+    # the level's batch size was None, and torch.randn got the size [None, 2, 3]
+    with pytest.raises(RuntimeError, match="has no batch size yet"), \
+            vmap(randomness="different"):
+        draw()
+    with vmap(randomness="different") as B:  # after B(t), the block draws per example
+        x = B(torch.zeros(4, 3))
+        assert B.unwrap(draw() + x[0]).shape[0] == 4

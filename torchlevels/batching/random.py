@@ -178,6 +178,13 @@ def _random_in_levels(op, args, kwargs):
         if cls._level.randomness == "error":
             raise RuntimeError(f"{ERROR} (got {op})")
     different = [c for c in reversed(classes) if c._level.randomness == "different"]
+    for cls in different:
+        if cls._level.batch_size is None:  # a `with vmap() as B` block before any B(t)
+            raise RuntimeError(
+                f"vmap: {op} draws numbers for each example of {cls._level.describe()}, "
+                "which has no batch size yet: it takes the size of the first tensor "
+                f"wrapped with {cls.__name__}(t, dim). Wrap a tensor first, or draw "
+                "outside the block.")
     tensors = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
     if not tensors:  # a factory: draw with one leading dim per level, then wrap
         out = _draw(op, args, kwargs, [cls._level.batch_size for cls in different])
