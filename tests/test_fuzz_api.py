@@ -122,3 +122,41 @@ def test_a_draw_in_a_different_randomness_block_before_its_batch_size_raises_cle
     with vmap(randomness="different") as B:  # after B(t), the block draws per example
         x = B(torch.zeros(4, 3))
         assert B.unwrap(draw() + x[0]).shape[0] == 4
+
+
+@pytest.mark.parametrize("write", [
+    lambda x, y: x.remainder_(y),
+    lambda x, y: x.__imod__(y),
+    lambda x, y: x.lt_(y),
+    lambda x, y: x.mul_(y).add_(y),
+], ids=["remainder_", "%=", "lt_", "mul_ add_"])
+@pytest.mark.parametrize("dtypes", [(torch.uint8, torch.int64), (torch.float16, torch.float64)],
+                         ids=str)
+def test_an_in_place_op_on_0_dim_examples_computes_in_their_promoted_dtype(write, dtypes):
+    # the batched self has a dim, so the kernel computed in self's dtype, where each
+    # example computes in the dtype its 0-dim tensors promote to: uint8 4 % int64 -3 was
+    # 4 % 253 = 4, not 254
+    x = torch.tensor([4, 2, 5]).to(dtypes[0])
+    y = torch.tensor(-3.0001).to(dtypes[1])
+
+    def f(x, y):
+        return write(x.clone(), y)
+
+    assert torch.equal(vmap(f, in_dims=(0, None))(x, y), loop(f, (0, None), x, y))
+    assert torch.equal(vmap(f)(x, y.expand(3)), loop(f, (0, 0), x, y.expand(3)))
+
+
+@pytest.mark.parametrize("dtypes", [(torch.bool, torch.int64), (torch.int64, torch.float16),
+                                    (torch.float32, torch.complex64)], ids=str)
+@pytest.mark.parametrize("in_dims", [(0, None), (0, 0)])
+def test_an_in_place_op_on_0_dim_examples_refuses_a_cast_as_each_example(dtypes, in_dims):
+    x, y = torch.ones(3, dtype=dtypes[0]), torch.ones(3, dtype=dtypes[1])
+    y = y if in_dims[1] == 0 else y[0]
+
+    def f(x, y):
+        return x.clone().mul_(y)
+
+    with pytest.raises(RuntimeError, match="can't be cast to the desired output type") as expected:
+        loop(f, in_dims, x, y)
+    with pytest.raises(RuntimeError, match=re.escape(str(expected.value))):
+        vmap(f, in_dims=in_dims)(x, y)

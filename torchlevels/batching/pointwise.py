@@ -71,8 +71,16 @@ def pointwise_rule(func, args, dims, kwargs):
         example = func(*(torch.ones(t.shape, dtype=t.dtype, device=device)
                          if isinstance(t, torch.Tensor) else t for t in logical), **kwargs)
     out_dtype = example.dtype if isinstance(example, torch.Tensor) else None
-    out = broadcasting(func, _promote_batched_scalars(func, phys, dims, logical, out_dtype),
-                       kwargs)
+    dtype = _computation_dtype(logical, out_dtype)
+    phys = _promote_batched_scalars(func, phys, dims, logical, dtype)
+    if (writes_first_argument(func) and logical[0].dim() == 0 and phys[0].dtype != dtype
+            and torch.can_cast(dtype, phys[0].dtype)):
+        # each example computes in the dtype its 0-dim tensors promote to and casts the
+        # result into self (uint8 4 %= an int64 -3 is 254); self, batched, has a dim, so
+        # the kernel alone would compute in self's dtype (4 % 253). A cast self's dtype
+        # refuses (a bool self times an int64) is left to the kernel, which raises it
+        return phys[0].copy_(func(phys[0].to(dtype), *phys[1:], **kwargs)), 0
+    out = broadcasting(func, phys, kwargs)
     if isinstance(example, torch.Tensor) and out.dtype != example.dtype:
         out = out.to(example.dtype)  # an op that keeps one input's dtype (masked_fill)
     return out, 0
@@ -114,23 +122,30 @@ def _broadcast(args) -> list:
     return [next(tensors) if isinstance(a, torch.Tensor) else a for a in args]
 
 
-def _promote_batched_scalars(func, phys, dims, logical, out_dtype):
-    """Cast batched 0-dim tensors to the dtype the unbatched op's inputs promote to.
-
-    Physically a batched 0-dim tensor has a dim, so it would take part in type promotion
-    as a dimensioned tensor (float64 "scalar" + float32 vector giving float64). The
-    result dtype, not the computation dtype (float32 for bfloat16 inputs): the kernel
-    computes in that itself. A float "scalar" in a complex result takes the result's real
-    dtype (float64 "scalar" * complex64 vector is complex64). An in-place op's ``self``
-    keeps its dtype: it is written. An op that computes integers as floats (div, atan2)
-    casts each straight to its float dtype ``out_dtype``: an int8 -3 "scalar" is not made
-    the 253 of a uint8 vector's dtype on the way.
-    """
+def _computation_dtype(logical, out_dtype) -> torch.dtype:
+    """The dtype one example's tensors ``logical`` promote to: the result dtype, not the
+    computation dtype (float32 for bfloat16 inputs), as the kernel computes in that
+    itself. An op that computes integers as floats (div, atan2) gives its float dtype
+    ``out_dtype``."""
     _, dtype = elementwise_dtypes(*(t for t in logical if isinstance(t, torch.Tensor)),
                                   type_promotion_kind=DEFAULT_PROMOTION)
     if out_dtype is not None and out_dtype.is_floating_point and not (
             dtype.is_floating_point or dtype.is_complex):
-        dtype = out_dtype
+        return out_dtype
+    return dtype
+
+
+def _promote_batched_scalars(func, phys, dims, logical, dtype):
+    """Cast batched 0-dim tensors to ``dtype``, the one the unbatched op's inputs promote
+    to (see :func:`_computation_dtype`).
+
+    Physically a batched 0-dim tensor has a dim, so it would take part in type promotion
+    as a dimensioned tensor (float64 "scalar" + float32 vector giving float64). A float
+    "scalar" in a complex result takes the result's real dtype (float64 "scalar" *
+    complex64 vector is complex64). An in-place op's ``self`` keeps its dtype: it is
+    written. An op that computes integers as floats casts each straight to its float
+    dtype: an int8 -3 "scalar" is not made the 253 of a uint8 vector's dtype on the way.
+    """
     written = writes_first_argument(func)
     return [
         _as_scalar_of(p, dtype) if (d is not None and t.dim() == 0
