@@ -160,3 +160,22 @@ def test_an_in_place_op_on_0_dim_examples_refuses_a_cast_as_each_example(dtypes,
         loop(f, in_dims, x, y)
     with pytest.raises(RuntimeError, match=re.escape(str(expected.value))):
         vmap(f, in_dims=in_dims)(x, y)
+
+
+@pytest.mark.parametrize("transform", ["vmap", "grad"])
+def test_assigning_data_of_a_transforms_tensor_raises_as_torch_func(transform):
+    # PyTorch's setter swapped the wrapper's placeholder: the level kept the old values,
+    # so vmap returned them and grad's value was computed from them
+    import torchlevels
+
+    y = torch.randn(3)
+
+    def f(a):
+        a.data = y
+        return (a * 2).sum()
+
+    x = torch.randn(3, 3)
+    with pytest.raises(RuntimeError, match=r"\.data"):
+        getattr(torch.func, transform)(f)(x.clone())
+    with pytest.raises(RuntimeError, match=r"t\.data = value"):
+        getattr(torchlevels, transform)(f)(x.clone())

@@ -564,8 +564,17 @@ _TENSOR_ATTRIBUTES = {
 
 
 def data_property(get: Any) -> property:
-    """What a level's tensors answer for ``t.data``: ``get(t)``; assigning is PyTorch's."""
-    return property(get, torch._C.TensorBase.data.__set__)
+    """What a level's tensors answer for ``t.data``: ``get(t)``. Assigning ``t.data = v``
+    raises, as in torch.func: PyTorch's setter would swap the wrapper's own placeholder,
+    leaving the values the level holds as they were, silently."""
+    return property(get, _refuse_data_assignment)
+
+
+def _refuse_data_assignment(t: torch.Tensor, value: Any) -> None:
+    raise RuntimeError(
+        f"assigning `t.data = value` to a tensor of {type(t)._level.describe()} is not "
+        "supported (torch.func refuses it too). Write the values in with `with "
+        "torch.no_grad(): t.copy_(value)`, or use `value` in place of t from here on.")
 
 
 def new_level_class(
