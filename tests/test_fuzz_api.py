@@ -179,3 +179,19 @@ def test_assigning_data_of_a_transforms_tensor_raises_as_torch_func(transform):
         getattr(torch.func, transform)(f)(x.clone())
     with pytest.raises(RuntimeError, match=r"t\.data = value"):
         getattr(torchlevels, transform)(f)(x.clone())
+
+
+@pytest.mark.parametrize("f", [
+    lambda x, v: torch.heaviside(x, v),
+    lambda x, v: x.clone().heaviside_(v),
+], ids=["heaviside", "heaviside_"])
+@pytest.mark.parametrize("in_dims", [(0, None), (0, 0)])
+def test_heaviside_of_0_dim_examples_of_two_dtypes_raises_as_each_example(f, in_dims):
+    # the batched 0-dim tensors were promoted to one dtype, so the kernel's check passed
+    x = torch.tensor([1, -2, 0], dtype=torch.int8)
+    v = torch.tensor([4, 5, 6], dtype=torch.int32)
+    v = v if in_dims[1] == 0 else v[0]
+    with pytest.raises(RuntimeError, match="different dtypes") as expected:
+        loop(f, in_dims, x, v)
+    with pytest.raises(RuntimeError, match=re.escape(str(expected.value))):
+        vmap(f, in_dims=in_dims)(x, v)

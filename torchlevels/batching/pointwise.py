@@ -188,6 +188,16 @@ def complex_parts(func, args, dims, kwargs):
     return pointwise_rule(func, args, dims, kwargs)
 
 
+@register(aten.heaviside.default, aten.heaviside_.default)
+def heaviside(func, args, dims, kwargs):
+    """``torch.heaviside``: pointwise, of two tensors of one dtype, which its meta kernel
+    does not check (and batched 0-dim tensors, promoted, would come to one dtype)."""
+    if args[0].dtype != args[1].dtype:
+        raise RuntimeError("heaviside is not yet implemented for tensors with different "
+                           "dtypes.")
+    return pointwise_rule(func, args, dims, kwargs)
+
+
 _NAMES = {torch.float16: "Half", torch.bfloat16: "BFloat16", torch.float32: "Float",
           torch.float64: "Double"}
 # elementwise ops PyTorch leaves untagged, which would otherwise decompose into several
