@@ -220,5 +220,5 @@ def test_losses_of_input_that_is_not_floating_point_raise_as_each_example(loss, 
     x, target = torch.ones(2, 4, 3).to(dtype), torch.zeros(2, 4, dtype=torch.long)
     with pytest.raises(NotImplementedError):
         loss(x[0], target[0])
-    with pytest.raises(NotImplementedError, match=str(dtype)):
+    with pytest.raises(NotImplementedError, match="not implemented for"):
         vmap(loss)(x, target)
