@@ -32,6 +32,7 @@ from torchlevels._torch_compile import eager
 from torchlevels.autodiff import (
     CapturedMutationError,
     GradLevel,
+    _inference_mode_off,
     autodiff_classes,
     backward_pass,
     grad_level,
@@ -299,7 +300,9 @@ def vjp(func: Callable, *primals: Any, has_aux: bool = False, _api: str = "vjp")
                     inputs_require_grad or bool(autodiff_classes(innermost()))
                     or any(c.requires_grad or requires_grad_within(c) for _, c in tracked)
                 )
-            with untracked_pass(untracked):
+            # the level's graph was recorded with inference mode off: a backward pass run
+            # inside the user's inference_mode would make inference tensors for views of it
+            with untracked_pass(untracked), _inference_mode_off():
                 grads = list(own_grad(
                     [o for o, _ in tracked], leaves, [c for _, c in tracked],
                     retain_graph=retain_graph, create_graph=create_graph, allow_unused=True,
