@@ -42,3 +42,29 @@ def test_backward_pass_of_vjp_inside_inference_mode(case):
         expected = _VJP_IN_INFERENCE_MODE[case](tf, x)
         got = _VJP_IN_INFERENCE_MODE[case](tl, x)
     _assert_same(got, expected)
+
+
+def _det_of_complex(xy):
+    z = torch.complex(xy[0], xy[1])
+    return torch.linalg.det(torch.diag(z) + 2 * torch.eye(3, dtype=z.dtype)).real
+
+
+def _svd_of_complex(xy):
+    u, s, vh = torch.linalg.svd(torch.complex(xy[0], xy[1]).reshape(2, 2))
+    return (u.abs() ** 2 * torch.arange(4.0).reshape(2, 2)).sum() + s.sum()
+
+
+# The Hessian (jacrev of jacrev here) of a function through a complex det or svd: the
+# outer jacrev runs svd's backward under vmap, and its phase check (torch.allclose)
+# raised vmap's error telling the user to rewrite a torch.allclose they never called.
+@pytest.mark.parametrize("func", [_det_of_complex, _svd_of_complex])
+def test_hessian_through_a_complex_decomposition(func):
+    xy = torch.randn(2, 4 if func is _svd_of_complex else 3, dtype=torch.float64)
+    expected = (tf.hessian(func)(xy) if func is _det_of_complex
+                else torch.autograd.functional.hessian(func, xy))  # torch.func's raises
+    _assert_same(tl.hessian(func)(xy), expected)
+
+
+def test_allclose_in_user_code_under_vmap_still_raises():
+    with pytest.raises(RuntimeError, match="torch.allclose returns one Python bool"):
+        tl.vmap(lambda a: torch.allclose(a, a + 1))(torch.randn(2, 3))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from torchlevels.batching.dims import logical_rank, pad_to_rank, to_front
 from torchlevels.batching.registry import register
 
 aten = torch.ops.aten
@@ -26,6 +27,15 @@ def data_dependent(func, args, dims, kwargs):
 
 @register(aten.allclose)
 def allclose(func, args, dims, kwargs):
+    """In a user's code, an error, as in torch.func; in a backward formula PyTorch runs (the
+    autograd engine is running a graph), a check that holds only if it holds for every
+    example: svd's and eig's backward check a phase this way, and a jacrev of their
+    gradient runs that backward under vmap."""
+    if torch._C._current_graph_task_id() != -1:
+        rank = max(logical_rank(t, d) for t, d in zip(args[:2], dims[:2]))
+        a, b = (pad_to_rank(to_front(t, d) if d is not None else t.unsqueeze(0), rank)
+                for t, d in zip(args[:2], dims[:2]))
+        return func(a, b, *args[2:], **kwargs), None
     raise RuntimeError(
         "vmap: torch.allclose returns one Python bool, which would differ per example. Use "
         "torch.isclose(a, b, rtol, atol).all() instead: a batched tensor, one bool per "
