@@ -2,8 +2,11 @@
 against torch.func, on everyday training and scientific code (nn.Module workloads through
 functional_call, per-sample gradients and ensembles, pytree primals with auxiliary
 outputs, in-place ops on intermediates, higher-order compositions, chunk_size, and grad
-modes around and inside the transforms): each test runs torchlevels and torch.func on the
-same inputs and compares."""
+modes around and inside the transforms): each test runs torchlevels and torch.func (or,
+where torch.func refuses the call, a loop or plain autograd) on the same inputs and
+compares."""
+
+import copy
 
 import pytest
 import torch
@@ -68,3 +71,26 @@ def test_hessian_through_a_complex_decomposition(func):
 def test_allclose_in_user_code_under_vmap_still_raises():
     with pytest.raises(RuntimeError, match="torch.allclose returns one Python bool"):
         tl.vmap(lambda a: torch.allclose(a, a + 1))(torch.randn(2, 3))
+
+
+# vmap over an nn.LSTM under torch.no_grad or torch.inference_mode (an ensemble's
+# evaluation): with nothing requiring grad, PyTorch took oneDNN's layer kernel, whose tuple
+# of outputs vmap cannot batch ("aten.mkldnn_rnn_layer.default returned tuple"), where the
+# same call with grad enabled worked. torch.func has no batching rule for LSTMs: the
+# reference is a loop.
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
+@pytest.mark.parametrize("layers", [dict(), dict(num_layers=2, bidirectional=True)])
+def test_lstm_under_vmap_without_grad(mode, layers):
+    lstm = torch.nn.LSTM(4, 5, batch_first=True, **layers)
+    copies = [lstm, copy.deepcopy(lstm)]
+    with torch.no_grad():
+        copies[1].weight_ih_l0.mul_(2)
+    xs = torch.randn(3, 2, 6, 4)
+    with mode():
+        got = tl.vmap(lambda x: lstm(x)[0])(xs)
+        expected = torch.stack([lstm(x)[0] for x in xs])
+        params, buffers = tl.stack_module_state(copies)
+        ensemble = tl.vmap(lambda p, x: tl.functional_call(lstm, p, (x,))[0],
+                           in_dims=(0, None))(params, xs[0])
+        each = torch.stack([m(xs[0])[0] for m in copies])
+    _assert_same((got, ensemble), (expected, each))

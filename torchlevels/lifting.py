@@ -41,7 +41,8 @@ def _with_captured_lifted(op, args: tuple, kwargs: dict) -> Any:
     cell = _CELLS.get(op)
     if cell is not None:  # out of place: no write to take into a level
         return cell(*args, **kwargs)
-    levels = autodiff_classes(innermost())
+    live = innermost()
+    levels = autodiff_classes(live)
     if levels:
         levels.reverse()  # outermost first: an outer constant may then enter an inner level
 
@@ -55,10 +56,11 @@ def _with_captured_lifted(op, args: tuple, kwargs: dict) -> Any:
             return a
 
         args = tuple(map(lift, args))
-    # an LSTM whose arguments do not require grad (a level's tensors never report it)
-    # takes oneDNN's layer kernel, which has no forward AD and whose differentiable
-    # backward writes batched cotangents into plain buffers: under grad or jvp, plain ops
-    with mkldnn_off if levels else contextlib.nullcontext():
+    # an LSTM whose arguments do not require grad (a level's tensors never report it, and
+    # under no_grad or inference_mode nothing does) takes oneDNN's layer kernel, which has
+    # no forward AD, whose differentiable backward writes batched cotangents into plain
+    # buffers, and whose tuple of outputs vmap cannot batch: under any level, plain ops
+    with mkldnn_off if live is not None else contextlib.nullcontext():
         out = op.decompose(*args, **kwargs)  # what runs inside is still intercepted (dropout)
     return passed_by(op, args, kwargs) if out is NotImplemented else out
 
