@@ -7,17 +7,9 @@ import pytest
 import torch
 import torch.func as tf
 import torch.nn.functional as F
-from torch.utils._pytree import tree_leaves
+from test_transforms_api import assert_tree_close
 
 import torchlevels as tl
-
-
-def _assert_same(got, expected):
-    got, expected = tree_leaves(got), tree_leaves(expected)
-    assert len(got) == len(expected)
-    for g, e in zip(got, expected):
-        torch.testing.assert_close(g, e)
-
 
 # F.scaled_dot_product_attention differentiated in its float attention mask: on CPU the
 # flash kernel has no derivative for the mask (torchlevels raised that the mask "cannot
@@ -40,7 +32,7 @@ def test_attention_differentiated_in_its_mask(case):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=m)
 
     run = _ATTENTION_IN_THE_MASK[case]
-    _assert_same(run(tl, attention, mask), run(tf, attention, mask))
+    assert_tree_close(run(tl, attention, mask), run(tf, attention, mask))
 
 
 # torch.utils.checkpoint (use_reentrant=False) recomputes under saved-tensor hooks whose

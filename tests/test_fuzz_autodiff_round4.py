@@ -11,18 +11,11 @@ import copy
 import pytest
 import torch
 import torch.func as tf
-from torch.utils._pytree import tree_leaves
+from test_transforms_api import assert_tree_close
 
 import torchlevels as tl
 
 pytestmark = pytest.mark.filterwarnings("ignore")
-
-
-def _assert_same(got, expected):
-    got, expected = tree_leaves(got), tree_leaves(expected)
-    assert len(got) == len(expected)
-    for g, e in zip(got, expected):
-        torch.testing.assert_close(g, e)
 
 
 # vjp's backward pass called inside the user's torch.inference_mode under vmap (as
@@ -44,7 +37,7 @@ def test_backward_pass_of_vjp_inside_inference_mode(case):
     with torch.inference_mode():
         expected = _VJP_IN_INFERENCE_MODE[case](tf, x)
         got = _VJP_IN_INFERENCE_MODE[case](tl, x)
-    _assert_same(got, expected)
+    assert_tree_close(got, expected)
 
 
 def _det_of_complex(xy):
@@ -65,7 +58,7 @@ def test_hessian_through_a_complex_decomposition(func):
     xy = torch.randn(2, 4 if func is _svd_of_complex else 3, dtype=torch.float64)
     expected = (tf.hessian(func)(xy) if func is _det_of_complex
                 else torch.autograd.functional.hessian(func, xy))  # torch.func's raises
-    _assert_same(tl.hessian(func)(xy), expected)
+    assert_tree_close(tl.hessian(func)(xy), expected)
 
 
 def test_allclose_in_user_code_under_vmap_still_raises():
@@ -93,4 +86,4 @@ def test_lstm_under_vmap_without_grad(mode, layers):
         ensemble = tl.vmap(lambda p, x: tl.functional_call(lstm, p, (x,))[0],
                            in_dims=(0, None))(params, xs[0])
         each = torch.stack([m(xs[0])[0] for m in copies])
-    _assert_same((got, ensemble), (expected, each))
+    assert_tree_close((got, ensemble), (expected, each))
