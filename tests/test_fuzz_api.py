@@ -195,3 +195,20 @@ def test_heaviside_of_0_dim_examples_of_two_dtypes_raises_as_each_example(f, in_
         loop(f, in_dims, x, v)
     with pytest.raises(RuntimeError, match=re.escape(str(expected.value))):
         vmap(f, in_dims=in_dims)(x, v)
+
+
+@pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32, torch.float64),
+                                    (torch.bfloat16, torch.bfloat16, torch.float16)],
+                         ids=str)
+@pytest.mark.parametrize("in_dims", [(0, None, None), (0, 0, None), (None, None, 0)])
+def test_lerp_of_0_dim_tensors_of_mixed_dtypes_as_each_example(dtypes, in_dims):
+    # every tensor of an example has 0 dims, so all take part in its promotion; the
+    # batched ones were cast to the promoted dtype and the unbatched ones left as they
+    # were, and lerp, which wants one dtype, raised 'expected dtype double for `end`'
+    # where a loop works (torch.func gives float32 here, not the loop's float64)
+    start, end, weight = (torch.randn(3).to(t) if d is not None else torch.tensor(0.5).to(t)
+                          for t, d in zip(dtypes, in_dims))
+    expected = loop(torch.lerp, in_dims, start, end, weight)
+    got = vmap(torch.lerp, in_dims=in_dims)(start, end, weight)
+    assert got.dtype == expected.dtype
+    torch.testing.assert_close(got, expected)

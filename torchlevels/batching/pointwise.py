@@ -145,10 +145,15 @@ def _promote_batched_scalars(func, phys, dims, logical, dtype):
     complex64 vector is complex64). An in-place op's ``self`` keeps its dtype: it is
     written. An op that computes integers as floats casts each straight to its float
     dtype: an int8 -3 "scalar" is not made the 253 of a uint8 vector's dtype on the way.
+    Where every tensor of an example has 0 dims, the unbatched ones are cast too: each
+    takes part in the example's promotion as fully as the batched ones (lerp of three
+    such tensors wants them in one dtype).
     """
     written = writes_first_argument(func)
+    scalars = all(t.dim() == 0 for t in logical if isinstance(t, torch.Tensor))
     return [
-        _as_scalar_of(p, dtype) if (d is not None and t.dim() == 0
+        _as_scalar_of(p, dtype) if (isinstance(t, torch.Tensor) and t.dim() == 0
+                                    and (d is not None or scalars)
                                     and not (written and k == 0)) else p
         for k, (p, d, t) in enumerate(zip(phys, dims, logical))
     ]
