@@ -1026,7 +1026,7 @@ def _from_dual(cls, out: Any, level: int) -> Any:
     return out
 
 
-def _inference_mode_off() -> contextlib.AbstractContextManager:
+def inference_mode_off() -> contextlib.AbstractContextManager:
     """Inference mode off for a level's block, as torch.func's transforms differentiate
     inside it; nothing otherwise (``inference_mode(False)`` also turns grad mode on)."""
     return torch.inference_mode(False) if torch.is_inference_mode_enabled() else _NOTHING
@@ -1061,7 +1061,7 @@ def grad_level(name: str = "grad") -> Iterator[type[LevelTensor]]:
     # grad(f) inside no_grad or inference_mode still differentiates, as torch.func's does
     # (nn.TransformerEncoderLayer and nn.MultiheadAttention take fused inference kernels,
     # which have no derivatives, when no argument requires grad: a level's never do)
-    with (entered(cls), _inference_mode_off(), torch.enable_grad(), predispatch.hook(),
+    with (entered(cls), inference_mode_off(), torch.enable_grad(), predispatch.hook(),
           mha_fastpath_off, level.hooks):
         if level.nested_in_autodiff or fwAD._current_level >= 0:
             level.refuse_saved_tensor_hooks()
@@ -1111,6 +1111,6 @@ def jvp_level(name: str = "jvp") -> Iterator[type[LevelTensor]]:
     cls = new_level_class(level, "DualTensor", classmethod(no_shortcuts), **_JVP_LEVEL_TENSOR)
     for outer in autodiff_classes(cls.__base__):
         outer._level.hosts_jvp = True
-    with (entered(cls), _inference_mode_off(), _dual_level(), predispatch.hook(),
+    with (entered(cls), inference_mode_off(), _dual_level(), predispatch.hook(),
           mha_fastpath_off):
         yield cls

@@ -32,10 +32,10 @@ from torchlevels._torch_compile import eager
 from torchlevels.autodiff import (
     CapturedMutationError,
     GradLevel,
-    _inference_mode_off,
     autodiff_classes,
     backward_pass,
     grad_level,
+    inference_mode_off,
     jvp_level,
     requires_grad_within,
     shallow_copy,
@@ -302,7 +302,7 @@ def vjp(func: Callable, *primals: Any, has_aux: bool = False, _api: str = "vjp")
                 )
             # the level's graph was recorded with inference mode off: a backward pass run
             # inside the user's inference_mode would make inference tensors for views of it
-            with untracked_pass(untracked), _inference_mode_off():
+            with untracked_pass(untracked), inference_mode_off():
                 grads = list(own_grad(
                     [o for o, _ in tracked], leaves, [c for _, c in tracked],
                     retain_graph=retain_graph, create_graph=create_graph, allow_unused=True,

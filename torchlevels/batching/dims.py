@@ -52,11 +52,11 @@ def refuse_dtypes_the_kernel_refuses(func, args, dims, kwargs) -> None:
     if any(isinstance(a, (list, tuple)) and any(isinstance(i, torch.Tensor) for i in a)
            for a in args) or any(isinstance(v, torch.Tensor) for v in kwargs.values()):
         return
-    examples = [torch.zeros(logical_shape(a, d), dtype=a.dtype, device=a.device)
-                if isinstance(a, torch.Tensor) else a for a, d in zip(args, dims)]
-    key = (func, *((a.dtype, a.device.type) for a in examples if isinstance(a, torch.Tensor)))
+    key = (func, *((a.dtype, a.device.type) for a in args if isinstance(a, torch.Tensor)))
     if key in _KERNEL_TAKES or len(key) == 1:
         return
+    examples = [torch.zeros(logical_shape(a, d), dtype=a.dtype, device=a.device)
+                if isinstance(a, torch.Tensor) else a for a, d in zip(args, dims)]
     try:
         with torch._C._DisableTorchDispatch(), torch.no_grad():
             func(*examples, **kwargs)

@@ -146,7 +146,7 @@ def pdist(func, args, dims, kwargs):
     """Each example's distances between its rows ``i < j``: the upper triangle of
     ``cdist(x, x, p)`` computed pair by pair (no matrix-product shortcut), as pdist does."""
     x, p = (*args, 2.0)[:2]
-    func(torch.empty(logical_shape(x, dims[0]), dtype=x.dtype, device="meta"), p)  # errors
+    func(*example_meta(args, dims), **kwargs)  # torch's errors
     x = to_front(x, dims[0]).contiguous()
     if x.shape[1] < 2:  # no pairs: pdist answers before its kernel's dtype check, cdist not
         return x.flatten(1)[:, :0].clone(), 0  # (from x: autograd outside sees the graph)

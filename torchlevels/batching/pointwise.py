@@ -51,9 +51,10 @@ def pointwise_rule(func, args, dims, kwargs):
         elif d is not None:
             raise NotImplementedError(f"vmap: {func} got a batched list; no pointwise rule for it")
     fast = fast and rank == batched_rank  # no unbatched tensor outranks the batched ones
-    if dims[0] is None and writes_first_argument(func):
+    written = writes_first_argument(func)
+    if dims[0] is None and written:
         raise_inplace_unbatched_self(func)
-    if not fast and writes_first_argument(func):
+    if not fast and written:
         _check_written_shape(args, dims)
     promote = scalar_batched and len(dtypes) > 1
     if fast and not promote:
@@ -72,8 +73,8 @@ def pointwise_rule(func, args, dims, kwargs):
                          if isinstance(t, torch.Tensor) else t for t in logical), **kwargs)
     out_dtype = example.dtype if isinstance(example, torch.Tensor) else None
     dtype = _computation_dtype(logical, out_dtype)
-    phys = _promote_batched_scalars(func, phys, dims, logical, dtype)
-    if (writes_first_argument(func) and logical[0].dim() == 0 and phys[0].dtype != dtype
+    phys = _promote_batched_scalars(phys, dims, logical, dtype, written)
+    if (written and logical[0].dim() == 0 and phys[0].dtype != dtype
             and torch.can_cast(dtype, phys[0].dtype)):
         # each example computes in the dtype its 0-dim tensors promote to and casts the
         # result into self (uint8 4 %= an int64 -3 is 254); self, batched, has a dim, so
@@ -135,21 +136,20 @@ def _computation_dtype(logical, out_dtype) -> torch.dtype:
     return dtype
 
 
-def _promote_batched_scalars(func, phys, dims, logical, dtype):
+def _promote_batched_scalars(phys, dims, logical, dtype, written: bool):
     """Cast batched 0-dim tensors to ``dtype``, the one the unbatched op's inputs promote
     to (see :func:`_computation_dtype`).
 
     Physically a batched 0-dim tensor has a dim, so it would take part in type promotion
     as a dimensioned tensor (float64 "scalar" + float32 vector giving float64). A float
     "scalar" in a complex result takes the result's real dtype (float64 "scalar" *
-    complex64 vector is complex64). An in-place op's ``self`` keeps its dtype: it is
-    written. An op that computes integers as floats casts each straight to its float
+    complex64 vector is complex64). An in-place op's ``self`` keeps its dtype
+    (``written``). An op that computes integers as floats casts each straight to its float
     dtype: an int8 -3 "scalar" is not made the 253 of a uint8 vector's dtype on the way.
     Where every tensor of an example has 0 dims, the unbatched ones are cast too: each
     takes part in the example's promotion as fully as the batched ones (lerp of three
     such tensors wants them in one dtype).
     """
-    written = writes_first_argument(func)
     scalars = all(t.dim() == 0 for t in logical if isinstance(t, torch.Tensor))
     return [
         _as_scalar_of(p, dtype) if (isinstance(t, torch.Tensor) and t.dim() == 0
