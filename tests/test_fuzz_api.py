@@ -8,17 +8,12 @@ import re
 import pytest
 import torch
 from torch.func import vmap as func_vmap
+from vmap_reference import loop_reference
 
 from torchlevels import vmap
 
 pytestmark = pytest.mark.filterwarnings("ignore")  # torch.func's slow-fallback warnings
 
-
-def loop(f, in_dims, *args):
-    """The reference: f on each example, stacked."""
-    size = next(a.shape[d] for a, d in zip(args, in_dims) if d is not None)
-    return torch.stack([f(*(a if d is None else a.select(d, i) for a, d in zip(args, in_dims)))
-                        for i in range(size)])
 
 
 @pytest.mark.parametrize("write", [
@@ -37,7 +32,7 @@ def test_an_in_place_op_whose_other_tensor_outranks_self_raises_as_each_example(
         return write(x.clone(), y)
 
     with pytest.raises(RuntimeError, match="doesn't match the broadcast shape") as expected:
-        loop(f, in_dims, x, other)
+        loop_reference(f, (x, other), in_dims)
     with pytest.raises(RuntimeError, match=re.escape(str(expected.value))):
         vmap(f, in_dims=in_dims)(x, other)
 
@@ -56,7 +51,7 @@ def test_an_in_place_operator_whose_result_self_cannot_hold_raises_as_each_examp
         return write(x.clone(), y)
 
     with pytest.raises(RuntimeError, match="can't be cast to the desired output type") as expected:
-        loop(f, (0, None), x, y)
+        loop_reference(f, (x, y), (0, None))
     with pytest.raises(RuntimeError, match=re.escape(str(expected.value))):
         vmap(f, in_dims=(0, None))(x, y)
 
@@ -72,7 +67,7 @@ def test_shifts_of_bool_and_int_examples_of_0_dims_as_each_example(f, in_dims):
     x = torch.tensor([True, False, True])
     y = torch.tensor([2, 1, 3], dtype=torch.int8)
     y = y if in_dims[1] == 0 else y[0]
-    assert torch.equal(vmap(f, in_dims=in_dims)(x, y), loop(f, in_dims, x, y))
+    assert torch.equal(vmap(f, in_dims=in_dims)(x, y), loop_reference(f, (x, y), in_dims))
 
 
 @pytest.mark.parametrize("f", [
@@ -142,8 +137,8 @@ def test_an_in_place_op_on_0_dim_examples_computes_in_their_promoted_dtype(write
     def f(x, y):
         return write(x.clone(), y)
 
-    assert torch.equal(vmap(f, in_dims=(0, None))(x, y), loop(f, (0, None), x, y))
-    assert torch.equal(vmap(f)(x, y.expand(3)), loop(f, (0, 0), x, y.expand(3)))
+    assert torch.equal(vmap(f, in_dims=(0, None))(x, y), loop_reference(f, (x, y), (0, None)))
+    assert torch.equal(vmap(f)(x, y.expand(3)), loop_reference(f, (x, y.expand(3)), (0, 0)))
 
 
 @pytest.mark.parametrize("dtypes", [(torch.bool, torch.int64), (torch.int64, torch.float16),
@@ -157,7 +152,7 @@ def test_an_in_place_op_on_0_dim_examples_refuses_a_cast_as_each_example(dtypes,
         return x.clone().mul_(y)
 
     with pytest.raises(RuntimeError, match="can't be cast to the desired output type") as expected:
-        loop(f, in_dims, x, y)
+        loop_reference(f, (x, y), in_dims)
     with pytest.raises(RuntimeError, match=re.escape(str(expected.value))):
         vmap(f, in_dims=in_dims)(x, y)
 
@@ -192,7 +187,7 @@ def test_heaviside_of_0_dim_examples_of_two_dtypes_raises_as_each_example(f, in_
     v = torch.tensor([4, 5, 6], dtype=torch.int32)
     v = v if in_dims[1] == 0 else v[0]
     with pytest.raises(RuntimeError, match="different dtypes") as expected:
-        loop(f, in_dims, x, v)
+        loop_reference(f, (x, v), in_dims)
     with pytest.raises(RuntimeError, match=re.escape(str(expected.value))):
         vmap(f, in_dims=in_dims)(x, v)
 
@@ -208,7 +203,7 @@ def test_lerp_of_0_dim_tensors_of_mixed_dtypes_as_each_example(dtypes, in_dims):
     # where a loop works (torch.func gives float32 here, not the loop's float64)
     start, end, weight = (torch.randn(3).to(t) if d is not None else torch.tensor(0.5).to(t)
                           for t, d in zip(dtypes, in_dims))
-    expected = loop(torch.lerp, in_dims, start, end, weight)
+    expected = loop_reference(torch.lerp, (start, end, weight), in_dims)
     got = vmap(torch.lerp, in_dims=in_dims)(start, end, weight)
     assert got.dtype == expected.dtype
     torch.testing.assert_close(got, expected)

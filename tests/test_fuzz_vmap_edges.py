@@ -7,6 +7,7 @@ import warnings
 import pytest
 import torch
 from torch.func import vmap as func_vmap
+from vmap_reference import loop_reference
 
 from torchlevels import vmap
 
@@ -39,12 +40,6 @@ def test_nested_vmap_masked_fill_value_that_overflows_raises_as_torch_func():
         nested(values, x)
 
 
-def loop(f, in_dims, *args):
-    """The reference: f on each example, stacked."""
-    size = next(a.shape[d] for a, d in zip(args, in_dims) if d is not None)
-    return torch.stack([f(*(a if d is None else a.select(d, i) for a, d in zip(args, in_dims)))
-                        for i in range(size)])
-
 
 @pytest.mark.parametrize("f", [
     lambda s, v: torch.copysign(v, s),
@@ -57,8 +52,8 @@ def test_int_to_float_ops_with_batched_signed_scalars_and_an_unsigned_vector(f):
     # casts the -3 to the vector's uint8 first: 253)
     scalars = torch.tensor([-3, 2, -5], dtype=torch.int8)
     vectors = torch.tensor([[1, 253, 3], [4, 0, 9]], dtype=torch.uint8)
-    assert_close(vmap(f, in_dims=(0, 1))(scalars, vectors), loop(f, (0, 1), scalars, vectors),
-                 equal_nan=True)
+    assert_close(vmap(f, in_dims=(0, 1))(scalars, vectors),
+                 loop_reference(f, (scalars, vectors), (0, 1)), equal_nan=True)
 
 
 def test_contiguous_of_a_batch_of_no_examples_is_contiguous():
@@ -133,7 +128,7 @@ def test_an_index_out_of_one_examples_range_does_not_reach_another_example(name,
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # index_reduce is in beta
         try:
-            expected = loop(f, (0, 0), x, index)
+            expected = loop_reference(f, (x, index), (0, 0))
         except (IndexError, RuntimeError):
             with pytest.raises((IndexError, RuntimeError)):
                 vmap(f)(x, index)
@@ -159,7 +154,7 @@ def test_arguments_each_example_refuses_raise(name, in_dims):
     args = [torch.randn(shape) if d is None else torch.randn(3, *shape)
             for shape, d in zip(shapes, in_dims)]
     with pytest.raises((IndexError, RuntimeError)) as expected:
-        loop(f, in_dims, *args)
+        loop_reference(f, args, in_dims)
     with pytest.raises(expected.type, match=re.escape(str(expected.value))):
         vmap(f, in_dims=in_dims)(*args)
 
@@ -167,7 +162,7 @@ def test_arguments_each_example_refuses_raise(name, in_dims):
 def test_view_of_0_dim_examples_as_a_dtype_of_the_same_size():
     x = torch.randn(3)
     f = lambda v: v.view(torch.int32)  # noqa: E731
-    assert torch.equal(vmap(f)(x), loop(f, (0,), x))
+    assert torch.equal(vmap(f)(x), loop_reference(f, (x,), (0,)))
 
 
 @pytest.mark.parametrize("index", [[0], 0, [0, 0], [1], [-1], []], ids=str)
@@ -180,7 +175,7 @@ def test_index_select_of_0_dim_examples_checks_the_index_as_each_example(index, 
     index = torch.tensor(index, dtype=torch.long)
     index = index.expand(3, *index.shape).clone() if in_dims[1] == 0 else index
     try:
-        expected = loop(f, in_dims, x, index)
+        expected = loop_reference(f, (x, index), in_dims)
     except (IndexError, RuntimeError):
         with pytest.raises((IndexError, RuntimeError)):
             vmap(f, in_dims=in_dims)(x, index)
@@ -196,7 +191,7 @@ def test_isin_as_each_example_and_its_dtype_check(dtype, in_dims):
 
     args = [torch.randint(0, 3, (3, 4) if d is not None else (4,)).to(dtype) for d in in_dims]
     try:
-        expected = loop(f, in_dims, *args)
+        expected = loop_reference(f, args, in_dims)
     except RuntimeError as error:  # complex and bool: "Unsupported input type"
         with pytest.raises(RuntimeError, match="Unsupported input type"):
             vmap(f, in_dims=in_dims)(*args)
