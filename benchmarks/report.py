@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import platform
 import sys
@@ -27,6 +28,10 @@ from benchmarks.timing import Timing
 
 ROOT = Path(__file__).resolve().parent.parent
 COMMAND = "make bench"
+DEVICE_RESULTS = ROOT / "benchmarks" / "cuda.json"  # written by `benchmarks.run --device cuda`
+DEVICE_COMMAND = ("TORCHLEVELS_COMMIT=$(git rev-parse --short HEAD) python -m benchmarks.run "
+                  "--device cuda --budget 2 --groups overhead mlp attention cnn calls "
+                  "grad_overhead mlp_grad cnn_grad norm_grad regression_grad hessian dims")
 
 
 @dataclass
@@ -67,6 +72,10 @@ def machine() -> dict[str, str]:
         "OS": platform.platform(),
         "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
         "load average at start (1, 5, 15 min)": load,
+        **({"GPU": torch.cuda.get_device_name()}
+           if torch.get_default_device().type == "cuda" else {}),
+        **({"commit": os.environ["TORCHLEVELS_COMMIT"]}
+           if "TORCHLEVELS_COMMIT" in os.environ else {}),
     }
 
 
@@ -240,7 +249,69 @@ def render(results: dict[str, list[Result]], groups: dict[str, Group], info: dic
                 how = "; ".join(f"`{op}` {h}" for op, h in r.batching.items())
                 lines.append(f"  How torchlevels batched the calls and ops reaching its level: "
                              f"{how}.")
+    if DEVICE_RESULTS.exists():
+        lines += device_section(json.loads(DEVICE_RESULTS.read_text()))
     return "\n".join(lines) + "\n"
+
+
+def device_section(saved: dict) -> list[str]:
+    """BENCHMARKS.md's section on the last GPU run (benchmarks/cuda.json), and its chart."""
+    lines = [
+        "",
+        "## On a GPU",
+        "",
+        f"The groups above that run on a GPU, timed there by `{DEVICE_COMMAND}` (CI and this "
+        "machine have none; this section is rewritten from benchmarks/cuda.json, which that "
+        "command writes). Same method as above; every timed call ends with "
+        "`torch.cuda.synchronize()`, so a time per call includes the GPU's work, and TF32 "
+        "is off on both sides. The torch there is the GPU machine's own, not the pinned one.",
+        "",
+        "| | |",
+        "|---|---|",
+        *(f"| {k} | {v} |" for k, v in saved["machine"].items()),
+        "",
+        "| group | benchmark | torch.func median | torchlevels median | ratio | target | "
+        "plain (no vmap) |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for row in saved["rows"]:
+        t = row["medians"]
+        plain = fmt_time(t[PLAIN]) if PLAIN in t else "—"
+        target = "—" if row["target"] is None else f"<= {row['target']}"
+        lines.append(f"| {row['group']} | {row['name']} | {fmt_time(t[TORCH_FUNC])} | "
+                     f"{fmt_time(t[TORCHLEVELS])} | {t[TORCHLEVELS] / t[TORCH_FUNC]:.2f} | "
+                     f"{target} | {plain} |")
+    lines += ["", "![On a GPU](benchmarks/cuda.png)", ""]
+    return lines
+
+
+def plot_device(saved: dict) -> Path:
+    """A bar chart of the GPU run's ratios to torch.func, with each row's target."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = saved["rows"]
+    ratios = [r["medians"][TORCHLEVELS] / r["medians"][TORCH_FUNC] for r in rows]
+    fig, ax = plt.subplots(figsize=(8, 1.5 + 0.3 * len(rows)))
+    bars = ax.barh(range(len(rows)), ratios, color=IMPL_COLORS[TORCHLEVELS])
+    ax.bar_label(bars, labels=[f"{x:.2f}" for x in ratios], padding=3, fontsize=8)
+    targets = [(i, r["target"]) for i, r in enumerate(rows) if r["target"] is not None]
+    ax.scatter([t for _, t in targets], [i for i, _ in targets], marker="|", s=200,
+               color="black", label="target", zorder=3)
+    ax.axvline(1.0, color="grey", linewidth=0.8)
+    ax.set_yticks(range(len(rows)))
+    ax.set_yticklabels([r["name"] for r in rows], fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("median time per call, torchlevels / torch.func (lower is better)")
+    ax.set_title(f"On a GPU ({saved['machine'].get('GPU', '?')})")
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    path = ROOT / "benchmarks" / "cuda.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def t_func(r: Result) -> float:
@@ -270,7 +341,22 @@ def write(results: dict[str, list[Result]], groups: dict[str, Group], info: dict
     """Write BENCHMARKS.md and the charts; return the markdown's path."""
     for key, group_results in results.items():
         plot_group(key, groups[key], group_results)
+    if DEVICE_RESULTS.exists():
+        plot_device(json.loads(DEVICE_RESULTS.read_text()))
     path = ROOT / "BENCHMARKS.md"
     path.write_text(render(results, groups, info))
     print(f"wrote {path} and benchmarks/*.png", file=sys.stderr)
     return path
+
+
+def write_device(results: dict[str, list[Result]], groups: dict[str, Group],
+                 info: dict) -> Path:
+    """Write a GPU run's medians to benchmarks/cuda.json, for BENCHMARKS.md's GPU section
+    (rewritten by the next ``make bench``)."""
+    rows = [{"group": groups[key].title, "name": r.benchmark.name,
+             "target": r.benchmark.target,
+             "medians": {name: t.median for name, t in r.timings.items()}}
+            for key, group_results in results.items() for r in group_results]
+    DEVICE_RESULTS.write_text(json.dumps({"machine": info, "rows": rows}, indent=1) + "\n")
+    print(f"wrote {DEVICE_RESULTS}", file=sys.stderr)
+    return DEVICE_RESULTS

@@ -2,7 +2,9 @@
 
 Options: ``--groups overhead mlp`` runs only those groups; ``--budget 5`` caps the timing
 seconds per benchmark; ``--threads 2`` sets torch's intra-op threads (default 1);
-``--no-write`` prints without rewriting BENCHMARKS.md.
+``--no-write`` prints without rewriting BENCHMARKS.md. ``--device cuda`` runs the groups on
+a GPU (every tensor they make is made there, every timed call ends with a synchronize) and
+writes benchmarks/cuda.json, which BENCHMARKS.md's GPU section is made from.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import argparse
 import contextlib
 import sys
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -106,13 +108,22 @@ def check(benchmark: Benchmark) -> None:
                                            f"{name} differs: {m}")
 
 
+def _synchronized(impls: dict[str, Callable[[], object]]) -> dict[str, Callable[[], object]]:
+    """Each call followed by a wait for the GPU, so a time per call is the GPU's work too."""
+    return {name: (lambda fn=fn: (fn(), torch.cuda.synchronize())[0])
+            for name, fn in impls.items()}
+
+
 def run_benchmark(benchmark: Benchmark, budget_s: float) -> Result:
-    """Check, then time one benchmark."""
+    """Check, then time one benchmark (on torch's default device)."""
     check(benchmark)
     batching = describe_batching(benchmark)
+    impls = benchmark.impls
+    if torch.get_default_device().type == "cuda":
+        impls = _synchronized(impls)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        timings = time_interleaved(benchmark.impls, budget_s=budget_s)
+        timings = time_interleaved(impls, budget_s=budget_s)
     return Result(benchmark, timings, batching)
 
 
@@ -126,7 +137,14 @@ def main(argv: list[str] | None = None) -> None:
                         help="torch intra-op threads (default %(default)s: on a small shared "
                         "machine one thread gives far steadier timings)")
     parser.add_argument("--no-write", action="store_true", help="do not rewrite BENCHMARKS.md")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="where the groups run (default %(default)s); cuda writes "
+                        "benchmarks/cuda.json, not BENCHMARKS.md")
     args = parser.parse_args(argv)
+    if args.device == "cuda":
+        torch.set_default_device("cuda")
+        torch.backends.cuda.matmul.allow_tf32 = False  # float32 as on the CPU, both sides
+        torch.backends.cudnn.allow_tf32 = False
 
     torch.set_num_threads(args.threads)
     info = report.machine()
@@ -142,7 +160,9 @@ def main(argv: list[str] | None = None) -> None:
             results[key].append(result)
             print(report.progress_line(result, group.labels), file=sys.stderr, flush=True)
         torch.set_num_threads(args.threads)
-    if not args.no_write:
+    if args.device == "cuda":
+        report.write_device(results, GROUPS, info)
+    elif not args.no_write:
         report.write(results, GROUPS, info)
 
 
