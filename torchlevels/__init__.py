@@ -1,7 +1,10 @@
 """torchlevels: composable function transforms where every level is a fresh Tensor subclass."""
 
 # torch.func's own: plain utilities, and functionalize, which runs inside levels
-from torch.func import functionalize, rearrange, replace_all_batch_norm_modules_
+# (rearrange is functorch.einops' own; torch.func re-exports it from 2.13 on, and the GPU
+# machines' torch is 2.11)
+from functorch.einops import rearrange
+from torch.func import functionalize, replace_all_batch_norm_modules_
 
 # wrap autograd.grad, torch.cond, RNN ops, and F.l1_loss (whose own drops weight= for
 # subclasses)

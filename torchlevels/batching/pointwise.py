@@ -174,7 +174,7 @@ def _is_pointwise(func) -> bool:
     if torch.Tag.pointwise in func.tags:
         return True
     # in-place variants PyTorch leaves untagged (abs_, copysign_): as their own op is
-    functional = out_of_place(func) if torch.Tag.inplace in func.tags else None
+    functional = out_of_place(func) if writes_first_argument(func) else None
     return functional is not None and torch.Tag.pointwise in functional.tags
 
 
