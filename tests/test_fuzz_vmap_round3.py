@@ -2,6 +2,7 @@
 torch.func.vmap (nn modules with stacked parameters, the Python tensor protocol,
 randomness), each compared on the same inputs."""
 
+import re
 
 import pytest
 import torch
@@ -144,6 +145,60 @@ def test_an_out_tensor_of_a_dtype_the_result_cannot_cast_to_raises_as_each_examp
         f(x[0])
     with pytest.raises(RuntimeError, match="can't be cast to the desired output type"):
         vmap(f)(x)
+
+
+_REFUSING_OUT_OPS = {
+    "softmax": lambda x, out: torch.softmax(x, -1, out=out),
+    "log_softmax": lambda x, out: torch.log_softmax(x, -1, out=out),
+    "clamp": lambda x, out: torch.clamp(x, 0, 1, out=out),
+    "amax": lambda x, out: torch.amax(x, -1, out=out),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16])
+@pytest.mark.parametrize("name", list(_REFUSING_OUT_OPS))
+def test_an_out_tensor_of_another_float_dtype_raises_where_each_example_does(name, dtype):
+    # these kernels refuse an out tensor of any dtype but the result's, which the copy
+    # into the out tensor cast to silently
+    def f(x):
+        out = x.new_empty(x.shape[:-1] if name == "amax" else x.shape, dtype=dtype)
+        _REFUSING_OUT_OPS[name](x, out)
+        return out
+
+    x = torch.randn(4, 3, 5)
+    with pytest.raises(RuntimeError) as each:
+        f(x[0])
+    with pytest.raises(RuntimeError, match=re.escape(str(each.value))):
+        vmap(f)(x)
+
+
+_DTYPE_OUT_OPS = {
+    "cumsum": lambda x, out: torch.cumsum(x, -1, out=out),
+    "cumprod": lambda x, out: torch.cumprod(x, -1, out=out),
+    "sum": lambda x, out: torch.sum(x, -1, out=out),
+    "prod": lambda x, out: torch.prod(x, -1, out=out),
+}
+
+
+@pytest.mark.parametrize("dtypes", [(torch.float16, torch.float64),
+                                    (torch.float32, torch.int64),
+                                    (torch.int64, torch.float32)])
+@pytest.mark.parametrize("name", list(_DTYPE_OUT_OPS))
+def test_a_reduction_into_an_out_tensor_of_another_dtype_computes_in_its_dtype(name, dtypes):
+    # ops that take a dtype compute in their out tensor's (as dtype=out.dtype); the
+    # result in the input's dtype was cast instead: 2048 + 1 in float16 is 2048
+    source, dtype = dtypes
+
+    def f(x):
+        out = x.new_empty(x.shape if name.startswith("cum") else x.shape[:-1], dtype=dtype)
+        _DTYPE_OUT_OPS[name](x, out)
+        return out
+
+    x = (torch.rand(4, 3, 5) * 3 + 0.5).to(source)
+    x[..., 0] = 2048
+    got = vmap(f)(x)
+    assert got.dtype == dtype
+    assert torch.equal(got, torch.stack([f(e) for e in x]))
 
 
 def test_an_out_tensor_of_a_wider_dtype_takes_the_result_as_each_example():

@@ -312,6 +312,13 @@ def into_out(func: OpOverload, *args: Any, **kwargs: Any) -> Any:
     result = functional(*args, **kwargs)
     results = (result,) if isinstance(result, torch.Tensor) else result
     if any(isinstance(a, torch.Tensor) for a in tree_leaves(args)):  # not a factory's
+        if any(out.dtype != value.dtype for out, value in zip(outs, results)):
+            _out_kernel_on_zeros(func, args, dict(kwargs, **dict(zip(names, outs))))
+            if (len(outs) == 1 and kwargs.get("dtype") is None
+                    and any(a.name == "dtype" for a in functional._schema.arguments)):
+                # an op that takes a dtype (sum, cumsum) computes in its out tensor's
+                result = functional(*args, **dict(kwargs, dtype=outs[0].dtype))
+                results = (result,)
         for out, value in zip(outs, results):
             if not torch.can_cast(value.dtype, out.dtype):
                 # the out= kernels' own check (copy_ would cast)
@@ -332,6 +339,32 @@ def into_out(func: OpOverload, *args: Any, **kwargs: Any) -> Any:
                 f"from a batched one (torch.empty_like(x)), or call {functional} without "
                 "out=.") from error
     return outs[0] if len(outs) == 1 else tuple(outs)
+
+
+_OUT_KERNEL_TAKES: set[tuple] = set()  # (out= op, its tensors' dtypes and devices) run once
+
+
+def _out_kernel_on_zeros(func: OpOverload, args: tuple, kwargs: dict) -> None:
+    """Raise the dtype error one example's call raises where an out tensor's dtype is not
+    the result's (softmax and clamp refuse another float dtype, which a copy would cast
+    to): the first time ``func`` meets a combination of dtypes and devices, it runs on
+    zeros shaped as one example, unseen by any level, mode or autograd. Other errors there
+    (the zeros may be bad values) are left to the call itself."""
+    tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    key = (func, *((t.dtype, t.device.type) for t in tensors))
+    if key in _OUT_KERNEL_TAKES:
+        return
+    args, kwargs = tree_map_only(
+        torch.Tensor, lambda t: torch.zeros(t.shape, dtype=t.dtype, device=t.device),
+        (args, kwargs))
+    try:
+        with torch._C._DisableTorchDispatch(), torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # an out tensor's resize
+            func(*args, **kwargs)
+    except (RuntimeError, TypeError) as error:  # (cat's cast error is a TypeError)
+        if "type" in str(error) or "cast" in str(error):
+            raise
+    _OUT_KERNEL_TAKES.add(key)
 
 
 def _out_call_on_meta(func: OpOverload, args: tuple, kwargs: dict) -> None:
