@@ -718,7 +718,7 @@ def _dims_benchmark(name: str, program: Callable, plain: Callable, args: tuple,
 
 def dims_group() -> list[Benchmark]:
     """(j) torchlevels.dim against plain PyTorch, with functorch.dim as a reference."""
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator(torch.get_default_device()).manual_seed(0)
 
     def randn(*shape):
         return torch.randn(*shape, generator=gen)

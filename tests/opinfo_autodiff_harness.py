@@ -42,6 +42,7 @@ import torch
 import torch.autograd.forward_ad as fwAD
 from opinfo_harness import Outcome, _first_line, _RandomOpSpy, _time_limit, _Timeout, op_id
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from vmap_reference import seeded
 
 TRANSFORMS = ("grad", "jvp", "jacrev", "jacfwd", "hessian")
 MAX_SAMPLES = 4  # grad, jvp: the first samples
@@ -173,7 +174,7 @@ def _case(op, index: int, sample, limits: tuple[int, int] | bool) -> Case | int 
         raise _Nondeterministic
     if limits and sum(first[i].numel() for i in outputs) > limits[1]:
         return n_in
-    gen = torch.Generator(torch.get_default_device()).manual_seed(seed)
+    gen = seeded(seed)
     weights = [torch.randn(first[i].shape, dtype=first[i].dtype, generator=gen)
                for i in outputs]
     tangents = [torch.randn(x.shape, dtype=x.dtype, generator=gen) for x in inputs]

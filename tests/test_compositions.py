@@ -25,6 +25,7 @@ import pytest
 import torch
 import torch.func as ft
 from test_custom_function import ScaledExp
+from vmap_reference import seeded
 
 import torchlevels as tl
 
@@ -32,7 +33,7 @@ DTYPE = torch.float64
 N = 4  # the size of the last dim every function works on
 BATCH_SIZES = (3, 2, 5)  # the outermost vmap maps over 3 examples, the next over 2, ...
 
-_gen = torch.Generator(torch.get_default_device()).manual_seed(1234)
+_gen = seeded(1234)
 W = torch.randn(N, 3, dtype=DTYPE, generator=_gen)
 IDX = torch.tensor([2, 0, 3, 3])
 
@@ -93,7 +94,7 @@ def compose(lib, chain: tuple[str, ...], f: Callable) -> Callable:
 def make_input(chain: tuple[str, ...]) -> torch.Tensor:
     """An input of shape (one dim per vmap in ``chain``, outermost first) + (N,)."""
     batch = BATCH_SIZES[: chain.count("vmap")]
-    g = torch.Generator(torch.get_default_device()).manual_seed(0)
+    g = seeded(0)
     return torch.randn(*batch, N, dtype=DTYPE, generator=g) * 0.7
 
 
@@ -696,7 +697,7 @@ def _clamp_in_place(x):
 @pytest.mark.parametrize("f", [_scale_in_place, _clamp_in_place], ids=lambda f: f.__name__)
 @pytest.mark.parametrize("outer", ["vmap", "grad", "jacrev", "jacfwd"])
 def test_jvp_of_an_in_place_op_along_a_tangent_the_enclosing_level_lacks(f, outer):
-    gen = torch.Generator().manual_seed(0)
+    gen = seeded(0)
     xs = torch.randn(3, 2, N, dtype=DTYPE, generator=gen)
     t = torch.randn(2, N, dtype=DTYPE, generator=gen)  # shared by every example
     x = xs[0].clone()  # not a view: make_dual would copy a view's tangent to its layout
@@ -775,7 +776,7 @@ NORM_LOSSES = [_layer_norm_loss, _group_norm_loss, _batch_norm_loss]
                                        "jacfwd(jacfwd)", "jacrev(jacfwd)"])
 @pytest.mark.parametrize("loss", NORM_LOSSES)
 def test_hessian_through_norms(transform, loss):
-    gen = torch.Generator().manual_seed(0)
+    gen = seeded(0)
     args = (torch.randn(3, N, dtype=DTYPE, generator=gen),
             torch.randn(N, dtype=DTYPE, generator=gen), torch.randn(N, dtype=DTYPE, generator=gen))
     argnums = (0, 1, 2)
@@ -795,7 +796,7 @@ def test_hessian_through_norms(transform, loss):
                                        "jacrev(jacfwd(jacrev))", "jacfwd(jacfwd(jacfwd))"])
 @pytest.mark.parametrize("loss", NORM_LOSSES)
 def test_third_derivatives_through_norms(transform, loss):
-    gen = torch.Generator().manual_seed(3)
+    gen = seeded(3)
     x, v = (torch.randn(3, N, dtype=DTYPE, generator=gen) for _ in range(2))
     w, b = torch.randn(N, dtype=DTYPE, generator=gen), torch.randn(N, dtype=DTYPE, generator=gen)
     f = functools.partial(lambda w, b, x: loss(x, w, b), w, b)
@@ -812,7 +813,7 @@ def test_third_derivatives_through_norms(transform, loss):
 def test_vmap_of_hessian_and_jacobian_of_hessian_through_training_batch_norm():
     # PyTorch's batchnorm_double_backward writes temporaries in place: an unbatched one
     # took a batched value under vmap, and one a captured weight's value under jacrev
-    gen = torch.Generator().manual_seed(4)
+    gen = seeded(4)
     c, t = (torch.randn(3, n, dtype=DTYPE, generator=gen) for n in (4, 2))
     g = torch.randn(2, dtype=DTYPE, generator=gen)
     ws = torch.randn(5, 2, 4, dtype=DTYPE, generator=gen)
@@ -833,7 +834,7 @@ def test_third_derivative_through_group_norm_batches_only_its_statistics_part():
     # PyTorch's derivative of group norm, differentiated again, adds the part through the
     # mean and rstd in place into the part through the output; here vmap (inside hessian)
     # batched only the former (wide fuzzer seed 81491)
-    gen = torch.Generator().manual_seed(6)
+    gen = seeded(6)
     x, v = (torch.randn(2, 4, 2, dtype=DTYPE, generator=gen) for _ in range(2))
     w = torch.randn(4, 2, 2, dtype=DTYPE, generator=gen)
 
@@ -851,7 +852,7 @@ def test_third_derivative_through_group_norm_batches_only_its_statistics_part():
     torch.testing.assert_close((got * v).sum(), expected, rtol=1e-5, atol=1e-6)
 
 
-_MIXING, _RHS = (torch.randn(3, n, dtype=DTYPE, generator=torch.Generator().manual_seed(n))
+_MIXING, _RHS = (torch.randn(3, n, dtype=DTYPE, generator=seeded(n))
                  for n in (3, 2))
 
 
@@ -865,7 +866,7 @@ def test_first_derivatives_keep_group_norm_whole(monkeypatch):
     when, decomposition = autodiff._DECOMPOSED[op]
     monkeypatch.setitem(autodiff._DECOMPOSED, op, (
         when, lambda *a, **k: decomposed.append(op) or decomposition(*a, **k)))
-    gen = torch.Generator().manual_seed(11)
+    gen = seeded(11)
     xs = torch.randn(3, 2, 4, 5, dtype=DTYPE, generator=gen)
     w, b = torch.randn(4, dtype=DTYPE, generator=gen), torch.randn(4, dtype=DTYPE, generator=gen)
 
@@ -916,7 +917,7 @@ def _nested(names: str, f: Callable) -> Callable:
                                        "hessian"])
 @pytest.mark.parametrize("loss", LINALG_LOSSES.values(), ids=LINALG_LOSSES.keys())
 def test_second_derivatives_through_linalg_ops(transform, loss):
-    x = torch.randn(3, dtype=DTYPE, generator=torch.Generator().manual_seed(9))
+    x = torch.randn(3, dtype=DTYPE, generator=seeded(9))
     expected = torch.autograd.functional.hessian(loss, x)
     torch.testing.assert_close(_nested(transform, loss)(x), expected)
 
@@ -938,7 +939,7 @@ BATCHED_LINALG_LOSSES = {
 @pytest.mark.parametrize("loss", BATCHED_LINALG_LOSSES.values(),
                          ids=BATCHED_LINALG_LOSSES.keys())
 def test_batched_second_derivatives_through_linalg_ops(transform, loss):
-    xs = torch.randn(3, 3, dtype=DTYPE, generator=torch.Generator().manual_seed(11))
+    xs = torch.randn(3, 3, dtype=DTYPE, generator=seeded(11))
     expected = torch.stack([torch.autograd.functional.hessian(loss, x) for x in xs])
     torch.testing.assert_close(_nested(transform, loss)(xs), expected)
 
@@ -947,7 +948,7 @@ def test_batched_second_derivatives_through_linalg_ops(transform, loss):
                                        "jacfwd(jacfwd(jacfwd))", "jacrev(jacfwd(jacrev))"])
 @pytest.mark.parametrize("loss", LINALG_LOSSES.values(), ids=LINALG_LOSSES.keys())
 def test_third_derivatives_through_linalg_ops(transform, loss):
-    gen = torch.Generator().manual_seed(10)
+    gen = seeded(10)
     x, v = (torch.randn(3, dtype=DTYPE, generator=gen) for _ in range(2))
     step = 1e-5
     hessian = functools.partial(torch.autograd.functional.hessian, loss)
@@ -978,7 +979,7 @@ def test_second_derivative_through_layer_norm_bias_over_a_dim_of_size_one(transf
     # here (off by 0.16 where the largest entry is 0.15; wide fuzzer seed 107277), and so
     # is plain autograd's double backward on the fuzzer's inputs. The reference is central
     # differences of the gradient, which every library computes right.
-    gen = torch.Generator().manual_seed(16)
+    gen = seeded(16)
     inp, x = (torch.randn(2, 1, dtype=DTYPE, generator=gen) for _ in range(2))
 
     def loss(z):
@@ -1001,9 +1002,9 @@ def test_second_derivative_through_layer_norm_bias_over_a_dim_of_size_one(transf
     torch.testing.assert_close(_nested(transform, loss)(x), expected, rtol=1e-6, atol=1e-7)
 
 
-_BN_WEIGHT, _BN_BIAS = (torch.randn(3, dtype=DTYPE, generator=torch.Generator().manual_seed(n))
+_BN_WEIGHT, _BN_BIAS = (torch.randn(3, dtype=DTYPE, generator=seeded(n))
                         for n in (12, 13))
-_BN_MIX = torch.randn(4, 3, 2, dtype=DTYPE, generator=torch.Generator().manual_seed(14))
+_BN_MIX = torch.randn(4, 3, 2, dtype=DTYPE, generator=seeded(14))
 _aten = torch.ops.aten
 TANGENT_LOSSES = {  # aten ops whose forward formulas give tangents not differentiable right
     "_native_batch_norm_legit": lambda x: _aten._native_batch_norm_legit(
@@ -1021,7 +1022,7 @@ TANGENT_LOSSES = {  # aten ops whose forward formulas give tangents not differen
 @pytest.mark.parametrize("transform", ["jacfwd(jacfwd)", "jacrev(jacfwd)", "jacfwd(jacrev)"])
 @pytest.mark.parametrize("op", TANGENT_LOSSES.values(), ids=TANGENT_LOSSES.keys())
 def test_second_derivatives_through_forward_formulas(transform, op):
-    x = torch.randn(4, 3, 2, dtype=DTYPE, generator=torch.Generator().manual_seed(15))
+    x = torch.randn(4, 3, 2, dtype=DTYPE, generator=seeded(15))
 
     def loss(z):
         out = op(z)
@@ -1034,7 +1035,7 @@ def test_second_derivatives_through_forward_formulas(transform, op):
 def test_forward_over_forward_through_batch_norm_updates_running_stats_once():
     # the forward-mode formula is replaced by a decomposition here; the running statistics
     # are still updated by the op, as one forward call updates them
-    gen = torch.Generator().manual_seed(5)
+    gen = seeded(5)
     x, v = (torch.randn(4, 3, dtype=DTYPE, generator=gen) for _ in range(2))
     ours, plain = torch.nn.BatchNorm1d(3).double(), torch.nn.BatchNorm1d(3).double()
 
@@ -1053,7 +1054,7 @@ def test_forward_over_forward_through_batch_norm_updates_running_stats_once():
 def test_autograd_through_per_example_norm_gradients(loss):
     # the per-example weight gradients read statistics that autograd outside sees depend
     # on the input (a gradient penalty on per-example gradients)
-    gen = torch.Generator().manual_seed(2)
+    gen = seeded(2)
     xs = torch.randn(5, 3, N, dtype=DTYPE, generator=gen)
     w, b = torch.randn(N, dtype=DTYPE, generator=gen), torch.randn(N, dtype=DTYPE, generator=gen)
 
@@ -1071,7 +1072,7 @@ def test_autograd_through_per_example_norm_gradients(loss):
 def test_per_task_second_order_step_through_layer_norm():
     # vmap over tasks of a gradient through an inner gradient step (second-order MAML):
     # here vmap encloses both grad levels, which see layer_norm's backward whole
-    gen = torch.Generator().manual_seed(1)
+    gen = seeded(1)
     xs = torch.randn(4, 3, N, dtype=DTYPE, generator=gen)
     w, b = torch.randn(N, dtype=DTYPE, generator=gen), torch.randn(N, dtype=DTYPE, generator=gen)
 
@@ -1103,7 +1104,7 @@ FORWARD_OVER_REVERSE = {
 @pytest.mark.parametrize("batched", [False, True], ids=["jvp(grad)", "vmap(jvp(grad))"])
 @pytest.mark.parametrize("case", list(FORWARD_OVER_REVERSE))
 def test_forward_over_reverse_through_shortcut_backwards(case, batched):
-    gen = torch.Generator().manual_seed(0)
+    gen = seeded(0)
     a = torch.randn(3, 4, 4, generator=gen, dtype=torch.float64) + 4 * torch.eye(4)
     b = torch.randn(3, 4, generator=gen, dtype=torch.float64)
     weights = torch.linspace(-1, 1, 4, dtype=torch.float64)
@@ -1251,7 +1252,7 @@ def _autograd_reference(transform: str, f: Callable, x: torch.Tensor) -> torch.T
 @pytest.mark.parametrize("name", COMPLEX_FUNCTIONS)
 def test_complex_intermediates_match_torch_func(name, transform):
     f = _through_complex(COMPLEX_FUNCTIONS[name])
-    x = torch.randn(3, 4, dtype=DTYPE, generator=torch.Generator().manual_seed(7))
+    x = torch.randn(3, 4, dtype=DTYPE, generator=seeded(7))
     x = x if transform.startswith("vmap") else x[0]
     compose = COMPLEX_TRANSFORMS[transform]
     try:
@@ -1285,7 +1286,7 @@ def test_view_as_real_of_a_conjugate_view_raises_under_vmap_as_in_a_loop():
 def test_grad_of_vmap_of_select_scatter_with_the_batch_dim_inside():
     # torch.func's gradient is off here (by 10.3 with this seed); the reference is plain
     # autograd over a loop
-    g = torch.Generator().manual_seed(0)
+    g = seeded(0)
     src = torch.randn(2, 1, dtype=DTYPE, generator=g)
     x = torch.randn(2, 2, 2, 1, dtype=DTYPE, generator=g)  # 2 examples at dim 2
 

@@ -98,7 +98,7 @@ def test_nested_vmap_runs_the_rule_at_each_level():
 def test_without_a_rule_the_slow_loop_runs_and_a_later_rule_is_used():
     @torch.library.custom_op("tltest::np_square", mutates_args=())
     def np_square(x: torch.Tensor) -> torch.Tensor:
-        return torch.tensor(x.detach().numpy() ** 2)
+        return torch.tensor(x.detach().cpu().numpy() ** 2, device=x.device)
 
     np_square.register_fake(lambda x: torch.empty_like(x))
     x = torch.randn(3, 4)
@@ -215,7 +215,7 @@ def test_jvp_lets_a_custom_op_with_integer_outputs_through():
 def test_a_rule_that_returns_the_wrong_shape_of_answer_is_named():
     @torch.library.custom_op("tltest::np_neg", mutates_args=())
     def np_neg(x: torch.Tensor) -> torch.Tensor:
-        return torch.tensor(-x.detach().numpy())
+        return torch.tensor(-x.detach().cpu().numpy(), device=x.device)
 
     np_neg.register_fake(lambda x: torch.empty_like(x))
     np_neg.register_vmap(lambda info, in_dims, x: np_neg(x))
@@ -225,7 +225,8 @@ def test_a_rule_that_returns_the_wrong_shape_of_answer_is_named():
 
     @torch.library.custom_op("tltest::np_pair", mutates_args=())
     def np_pair(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return torch.tensor(x.detach().numpy()), torch.tensor(x.detach().numpy())
+        a = x.detach().cpu().numpy()
+        return torch.tensor(a, device=x.device), torch.tensor(a, device=x.device)
 
     np_pair.register_fake(lambda x: (torch.empty_like(x), torch.empty_like(x)))
     np_pair.register_vmap(lambda info, in_dims, x: (np_pair(x), (0, 0, 0)))

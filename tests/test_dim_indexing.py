@@ -10,6 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.testing import assert_close
+from vmap_reference import seeded
 
 import torchlevels.dim
 from torchlevels.dim import Dim, DimensionBindError, Tensor, dims
@@ -42,7 +43,7 @@ def cases(draw):
     shape = draw(st.lists(st.integers(1, 4), min_size=ndim, max_size=ndim))
     x = torch.arange(int(torch.tensor(shape).prod())).reshape(shape).float()
     seed = draw(st.integers(0, 2**16))
-    g = torch.Generator(torch.get_default_device()).manual_seed(seed)
+    g = seeded(seed)
     pool = list(dims(4))
     n = draw(st.integers(1, 3))  # one length for all plain index tensors, so they broadcast
     index = []
@@ -114,7 +115,7 @@ def test_assignment_matches_the_loop_model(case):
     lambda d, m1, m2: (m1, slice(None), d),  # mask and dim apart
 ])
 def test_boolean_masks_beside_dims_read_and_write_as_torch(make_index):
-    g = torch.Generator(torch.get_default_device()).manual_seed(1)
+    g = seeded(1)
     x = torch.randn(3, 4, 5, generator=g)
     d = dims(1)
     index = make_index(d, torch.rand(4, generator=g) > 0.5, torch.rand(4, 5, generator=g) > 0.5)
@@ -161,7 +162,7 @@ def test_tensor_indices_around_dims_and_ints_go_where_torch_puts_them(shape, mak
 def test_diagonal_and_gather_of_a_dims_tensor():
     """Indexing a tensor that already has dims with an index over the same dim gathers
     along it per element (Rule 1), as the loop model says."""
-    g = torch.Generator(torch.get_default_device()).manual_seed(0)
+    g = seeded(0)
     values, lengths = torch.randn(4, 6, generator=g), torch.randint(0, 6, (4,), generator=g)
     i = dims(1)
     row = values[i]

@@ -4,6 +4,7 @@ kernel, and no tensor as large as the full product is ever made."""
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from vmap_reference import seeded
 
 from torchlevels.dim import dims, softmax
 
@@ -75,7 +76,7 @@ def embedding_bag(ids, W, reduce="sum"):
 
 @pytest.mark.parametrize("reduce", ["sum", "mean"])
 def test_an_embedding_lookup_summed_over_the_ids_is_one_embedding_bag(reduce):
-    g = torch.Generator(torch.get_default_device()).manual_seed(0)
+    g = seeded(0)
     W, ids = torch.randn(50, 8, generator=g), torch.randint(0, 50, (6, 5), generator=g)
     with Recorder() as rec:
         out = embedding_bag(ids, W, reduce)
@@ -86,7 +87,7 @@ def test_an_embedding_lookup_summed_over_the_ids_is_one_embedding_bag(reduce):
 
 
 def test_a_lookup_read_as_a_tensor_or_differentiated_is_the_gather():
-    g = torch.Generator(torch.get_default_device()).manual_seed(1)
+    g = seeded(1)
     W, ids = torch.randn(50, 8, generator=g), torch.randint(0, 50, (6, 5), generator=g)
     b, s, f = dims(3)
     looked_up = W[ids[b, s], f]

@@ -7,10 +7,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch.testing import assert_close
+from vmap_reference import seeded
 
 import torchlevels.dim as tdim
 
-g = torch.Generator().manual_seed(0)
+g = seeded(0)
 A = torch.randn(3, 4, 5, generator=g)
 B = torch.randn(4, 5, generator=g)
 M = torch.randn(3, 4, generator=g)

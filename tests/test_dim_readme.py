@@ -12,13 +12,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch.testing import assert_close
+from vmap_reference import seeded
 
 MODULES = {"functorch": "functorch.dim", "torchlevels": "torchlevels.dim"}
 SEED = 20240611
 
 
 def _gen():
-    return torch.Generator(torch.get_default_device()).manual_seed(SEED)
+    return seeded(SEED)
 
 
 def _rand(g, *shape):

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.func as tf
 from torch.testing import assert_close
+from vmap_reference import seeded
 
 import torchlevels as tl
 from torchlevels.dim import dims, softmax
@@ -37,7 +38,7 @@ def model_dims(weights, examples):
 
 
 def _inputs(seed=0):
-    g = torch.Generator(torch.get_default_device()).manual_seed(seed)
+    g = seeded(seed)
     K, Q, V = (torch.randn(3, 2, 4, 5, generator=g, dtype=torch.float64) for _ in range(3))
     return K, Q, V
 
@@ -73,7 +74,7 @@ def test_autograd_through_dims_code():
 
 @pytest.mark.parametrize("transform", ["jacrev", "jacfwd"])
 def test_jacobians_of_a_gather(transform):
-    g = torch.Generator(torch.get_default_device()).manual_seed(1)
+    g = seeded(1)
     W = torch.randn(10, 4, generator=g, dtype=torch.float64)
     idx = torch.randint(0, 10, (3, 6), generator=g)
     ours = getattr(tl, transform)(embedding_bag_dims)(W, idx)
@@ -81,7 +82,7 @@ def test_jacobians_of_a_gather(transform):
 
 
 def test_hessian_through_the_vmap_path():
-    g = torch.Generator(torch.get_default_device()).manual_seed(2)
+    g = seeded(2)
     w, ex = torch.randn(5, generator=g, dtype=torch.float64), torch.randn(3, 5, generator=g,
                                                                           dtype=torch.float64)
     f = lambda w: model_dims(w, ex).pow(3).sum()  # noqa: E731
@@ -91,7 +92,7 @@ def test_hessian_through_the_vmap_path():
 
 @pytest.mark.parametrize("transform", ["grad", "jacrev", "jacfwd", "hessian"])
 def test_transforms_called_on_tensors_with_dims(transform):
-    g = torch.Generator(torch.get_default_device()).manual_seed(3)
+    g = seeded(3)
     x = torch.randn(3, 4, generator=g, dtype=torch.float64)
     f = lambda v: (v.sin() * v).sum()  # noqa: E731
     i = dims(1)
@@ -101,7 +102,7 @@ def test_transforms_called_on_tensors_with_dims(transform):
 
 
 def test_vmap_called_on_tensors_with_dims():
-    g = torch.Generator(torch.get_default_device()).manual_seed(4)
+    g = seeded(4)
     x, y = torch.randn(3, 4, generator=g), torch.randn(3, 5, 4, generator=g)
     j = dims(1)
     out = tl.vmap(lambda a, b: b @ a, in_dims=(None, 0))(x[j], y[j])
@@ -110,7 +111,7 @@ def test_vmap_called_on_tensors_with_dims():
 
 def test_grad_with_respect_to_dims_inputs_inside_dims_code():
     """Per-example gradients by binding a dim instead of vmap."""
-    g = torch.Generator(torch.get_default_device()).manual_seed(5)
+    g = seeded(5)
     w = torch.randn(5, generator=g, dtype=torch.float64)
     ex = torch.randn(7, 5, generator=g, dtype=torch.float64)
     b = dims(1)

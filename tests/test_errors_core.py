@@ -8,6 +8,7 @@ import torch
 import torch.autograd.forward_ad as fwAD
 import torch.func as tf
 from test_transforms_api import assert_same_error, assert_tree_close, error_of
+from vmap_reference import seeded
 
 import torchlevels as tl
 from torchlevels import EscapedTensorError, jvp_level
@@ -18,7 +19,7 @@ def assert_same_values(make_call):
     assert_tree_close(make_call(tl), make_call(tf))
 
 
-X = torch.randn(3, generator=torch.Generator().manual_seed(0))
+X = torch.randn(3, generator=seeded(0))
 
 
 # -- transpose of a 0-dim example ---------------------------------------------------------

@@ -119,7 +119,7 @@ class LoggingTensor(torch.Tensor):
     @staticmethod
     def __new__(cls, elem):
         out = torch.Tensor._make_wrapper_subclass(cls, elem.shape, strides=elem.stride(),
-                                                  dtype=elem.dtype)
+                                                  dtype=elem.dtype, device=elem.device)
         out.elem = elem
         return out
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from vmap_reference import seeded
 
 from torchlevels import linalg_recomputed
 
@@ -12,7 +13,7 @@ aten = torch.ops.aten
 
 
 def _matrices(dtype: torch.dtype) -> list[torch.Tensor]:
-    gen = torch.Generator().manual_seed(0)
+    gen = seeded(0)
     square = torch.randn(3, 3, dtype=dtype, generator=gen)
     batch = torch.randn(2, 4, 4, dtype=dtype, generator=gen)
     # contiguous and not: det and slogdet factor a contiguous real matrix transposed
@@ -31,7 +32,7 @@ def test_determinants_match_the_aten_ops(dtype, op):
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.complex128])
 def test_solve_matches_the_aten_op(dtype):
-    gen = torch.Generator().manual_seed(1)
+    gen = seeded(1)
     for a in _matrices(dtype):
         n = a.shape[-1]
         rhs = {"vector": torch.randn(n, dtype=dtype, generator=gen),
@@ -57,7 +58,7 @@ def test_singular_matrices_give_what_the_aten_ops_give():
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.complex128])
 def test_triangular_solve_matches_the_aten_op(dtype):
-    gen = torch.Generator().manual_seed(2)
+    gen = seeded(2)
     a = torch.randn(2, 4, 4, dtype=dtype, generator=gen)
     b = torch.randn(2, 4, 3, dtype=dtype, generator=gen)
     for upper in (True, False):
@@ -72,7 +73,7 @@ def test_triangular_solve_matches_the_aten_op(dtype):
 @pytest.mark.parametrize("dtype", [torch.float64, torch.complex128])
 @pytest.mark.parametrize("shape, reflections", [((4, 3), 3), ((4, 3), 2), ((2, 5, 5), 5)])
 def test_householder_product_matches_the_aten_op(dtype, shape, reflections):
-    gen = torch.Generator().manual_seed(3)
+    gen = seeded(3)
     v = torch.randn(shape, dtype=dtype, generator=gen)
     tau = torch.randn(*shape[:-2], reflections, dtype=dtype, generator=gen)
     torch.testing.assert_close(linalg_recomputed.householder_product(v, tau),

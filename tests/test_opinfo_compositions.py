@@ -36,8 +36,11 @@ import torch.func as tf
 from opinfo_harness import _RandomOpSpy
 from torch.testing._internal.common_methods_invocations import op_db
 from torch.utils._pytree import tree_flatten, tree_unflatten
+from vmap_reference import seeded
 
 import torchlevels as tl
+
+pytestmark = pytest.mark.cpu_only("an OpInfo sweep, whose samples and counts are the CPU's")
 
 BATCH = 3
 SAMPLES = 12
@@ -85,7 +88,7 @@ def _cases(forward_over_reverse: bool = False):
     supported = "supports_fwgrad_bwgrad" if forward_over_reverse else "supports_autograd"
     count = HVP_SAMPLES if forward_over_reverse else SAMPLES
     for name, index, f, inputs in _samples(supported, count):
-        gen = torch.Generator().manual_seed(index)
+        gen = seeded(index)
         batched = [torch.stack([x.detach() + 0.01 * k * torch.randn(
             x.shape, generator=gen, dtype=x.dtype) for k in range(BATCH)]) for x in inputs]
         yield name, f, batched

@@ -20,6 +20,7 @@ import torch
 import torch.func as ft
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
+from vmap_reference import seeded
 
 import torchlevels as tl
 
@@ -162,7 +163,7 @@ class Program:
     seed: int
 
     def build(self, in_place_views: bool = True) -> Callable:
-        gen = torch.Generator(torch.get_default_device()).manual_seed(self.seed)
+        gen = seeded(self.seed)
         steps = [op.build(self.shape, gen, in_place_views) for op in self.ops]
         final = FINAL[self.final]
 
@@ -272,7 +273,7 @@ def assume_sane(expected: torch.Tensor) -> None:
 def cases(draw):
     program = draw(programs())
     chain, shape = draw(chains(program.shape))
-    gen = torch.Generator(torch.get_default_device()).manual_seed(program.seed)
+    gen = seeded(program.seed)
     x = torch.randn(shape, dtype=DTYPE, generator=gen)
     return program, chain, x * 0.8
 
@@ -297,7 +298,7 @@ def test_vmap_of_transform_with_unbatched_argument(program, data):
     dx = data.draw(st.integers(-rank, rank - 1))
     dy = data.draw(st.one_of(st.none(), st.integers(-rank, rank - 1)))
     size = data.draw(st.integers(1, 3))
-    gen = torch.Generator(torch.get_default_device()).manual_seed(program.seed)
+    gen = seeded(program.seed)
 
     def batched(d):
         shape = list(program.shape)
@@ -331,7 +332,7 @@ def test_autograd_outside_a_composition_matches_torch_func(case):
     captures require grad outside, and the gradients of a weighted sum of the result
     with respect to both agree with torch.func's (no history counts as zero)."""
     program, chain, x0 = case
-    gen = torch.Generator(torch.get_default_device()).manual_seed(program.seed + 1)
+    gen = seeded(program.seed + 1)
     c0 = torch.randn(program.shape, dtype=DTYPE, generator=gen)
 
     def run(lib):

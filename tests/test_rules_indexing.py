@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch.testing import assert_close
-from vmap_reference import loop_reference, vmap_without_slow_loop
+from vmap_reference import loop_reference, seeded, vmap_without_slow_loop
 
 import torchlevels
 from torchlevels.batching import registry
@@ -556,7 +556,7 @@ def test_nonzero_with_equal_counts_matches_loop_and_different_counts_raise():
 @pytest.mark.parametrize("in_dim", [0, -1])
 def test_nonzero_static_pads_each_example_with_fill_value(shape, size, in_dim):
     """Examples with different counts of nonzeros are fine: the size is static."""
-    g = torch.Generator().manual_seed(size)
+    g = seeded(size)
     x = torch.randint(0, 2, (4, *shape), generator=g) * torch.randn(4, *shape, generator=g)
     x = x.movedim(0, in_dim)  # the batch dim last, for in_dim=-1
     f = lambda t: torch.nonzero_static(t, size=size, fill_value=-7)  # noqa: E731
@@ -857,6 +857,7 @@ def test_grad_of_segment_reduce_under_vmap_takes_no_slow_loop():
     assert_close(run_ours(torchlevels.grad(loss), [data, lengths], (0, 0)), expected)
 
 
+@pytest.mark.cpu_only("histogram has no CUDA kernel")
 def test_the_loop_takes_keyword_only_tensors_apart():
     """An op with no rule for its batched keyword-only tensor (``histogram``'s
     ``weight``) runs once per example, with that example's tensor: as a loop, and as

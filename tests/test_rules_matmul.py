@@ -298,6 +298,7 @@ def test_bilinear_and_its_gradients(dims, n):
 
 
 @pytest.mark.parametrize("op", ["addmv", "addmm", "baddbmm", "addbmm"])
+@pytest.mark.cpu_only("CUDA has no integer matmul kernels")
 def test_integer_products_read_float_scalars_as_their_kernels_do(op):
     """An integer kernel truncates a float beta or alpha (``beta=0.2`` ignores self);
     scaling self by it in Python would promote the result to float."""

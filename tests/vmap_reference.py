@@ -32,6 +32,11 @@ SLOW_LOOP_WARNING = "no batching rule"  # how torchlevels' slow-loop warning beg
 InDims = int | None | Sequence[int | None]
 
 
+def seeded(seed: int) -> torch.Generator:
+    """A generator on torch's default device (the suite's: TORCHLEVELS_TEST_DEVICE), seeded."""
+    return torch.Generator(torch.get_default_device()).manual_seed(seed)
+
+
 def fresh_start(seed: int = 0) -> None:
     """Re-arm torchlevels' once-per-op slow-loop warning and seed torch's RNG."""
     reset_loop_warnings()

@@ -58,6 +58,8 @@ mha_fastpath_off = SwitchedOff(torch.backends.mha.get_fastpath_enabled,
                                torch.backends.mha.set_fastpath_enabled)
 # oneDNN's RNN layer kernel, which has no forward AD (see lifting.py)
 mkldnn_off = SwitchedOff(torch._C._get_mkldnn_enabled, torch._C._set_mkldnn_enabled)
+# cuDNN's RNN kernel, likewise without forward AD or a batching rule (see lifting.py)
+cudnn_off = SwitchedOff(torch._C._get_cudnn_enabled, torch._C._set_cudnn_enabled)
 
 # PyTorch has one forward-AD level per process. The jvp levels of a thread share it, and
 # a thread holds it, through this lock, from its first jvp level's entry to its last's

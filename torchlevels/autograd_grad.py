@@ -44,6 +44,15 @@ from torchlevels._level import (
 from torchlevels.autodiff import GradLevel, backward_pass
 
 pytorch_grad = torch.autograd.grad  # PyTorch's own
+
+
+def on_this_thread(outputs: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+    """PyTorch's ``torch.autograd.grad``, on this thread: on a GPU its engine runs a backward
+    pass on a worker thread of its own, where the context (the live levels, kept in
+    context variables) is not the caller's, so the levels' ops and hooks there would run
+    as if no level were live."""
+    with torch.autograd.set_multithreading_enabled(False):
+        return pytorch_grad(outputs, inputs, *args, **kwargs)
 # set while a level's own call is handed back to torch.autograd.grad (see own_grad)
 _own_call: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "torchlevels_own_grad_call", default=False)
@@ -56,10 +65,10 @@ def own_grad(outputs: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
     being taken for a user's call at the innermost grad level (``vjp_fn`` of a vjp made
     inside ``grad`` runs on that level's tensors)."""
     if not torch._C._has_torch_function((*(_tensors(outputs) or ()), *(_tensors(inputs) or ()))):
-        return pytorch_grad(outputs, inputs, *args, **kwargs)
+        return on_this_thread(outputs, inputs, *args, **kwargs)
     token = _own_call.set(True)
     try:
-        return pytorch_grad(outputs, inputs, *args, **kwargs)
+        return on_this_thread(outputs, inputs, *args, **kwargs)
     finally:
         _own_call.reset(token)
 
@@ -104,15 +113,16 @@ def grad(outputs: Any, inputs: Any, grad_outputs: Any = None, *args: Any, **kwar
     # PyTorch's docstring (functools.wraps): this is torch.autograd.grad from now on
     if _own_call.get():
         _own_call.set(False)  # calls made while this one runs are the user's again
-        return pytorch_grad(outputs, inputs, grad_outputs, *args, **kwargs)
+        return on_this_thread(outputs, inputs, grad_outputs, *args, **kwargs)
     found = _at_grad_level(outputs, inputs)
     if found is None:
-        return pytorch_grad(outputs, inputs, grad_outputs, *args, **kwargs)
+        call = on_this_thread if innermost() is not None else pytorch_grad
+        return call(outputs, inputs, grad_outputs, *args, **kwargs)
     cls, outs, ins = found
     if grad_outputs is not None:
         grad_outputs = [unwrap_own(g, cls) for g in (_tensors(grad_outputs) or grad_outputs)]
     with backward_pass(cls):
-        results = pytorch_grad([unwrap_own(t, cls) for t in outs],
+        results = on_this_thread([unwrap_own(t, cls) for t in outs],
                                [unwrap_own(t, cls) for t in ins], grad_outputs, *args, **kwargs)
     return tuple(None if r is None else wrap_inner(cls, r) for r in results)
 

@@ -16,14 +16,13 @@ input's gates are batched, and no level could take those in-place writes.
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from torchlevels._level import innermost
-from torchlevels._process_state import mkldnn_off
+from torchlevels._level import LevelTensor, innermost
+from torchlevels._process_state import cudnn_off, mkldnn_off
 from torchlevels.autodiff import autodiff_classes, constant
 from torchlevels.batching.predispatch import intercept, passed_by
 
@@ -59,9 +58,14 @@ def _with_captured_lifted(op, args: tuple, kwargs: dict) -> Any:
     # an LSTM whose arguments do not require grad (a level's tensors never report it, and
     # under no_grad or inference_mode nothing does) takes oneDNN's layer kernel, which has
     # no forward AD, whose differentiable backward writes batched cotangents into plain
-    # buffers, and whose tuple of outputs vmap cannot batch: under any level, plain ops
-    with mkldnn_off if live is not None else contextlib.nullcontext():
-        out = op.decompose(*args, **kwargs)  # what runs inside is still intercepted (dropout)
+    # buffers, and whose tuple of outputs vmap cannot batch; on CUDA, cuDNN's, which has
+    # no forward AD or batching rule either: under any level, plain ops
+    # (what runs inside the decomposition is still intercepted: dropout)
+    if live is None:
+        out = op.decompose(*args, **kwargs)
+    else:
+        with mkldnn_off, cudnn_off:
+            out = op.decompose(*args, **kwargs)
     return passed_by(op, args, kwargs) if out is NotImplemented else out
 
 
@@ -98,3 +102,16 @@ _CELLS = {
 
 for _op in RECURRENT:
     intercept(_op, _with_captured_lifted)
+
+_flatten_parameters = torch.nn.RNNBase.flatten_parameters
+
+
+def _flatten_plain_parameters(self: torch.nn.RNNBase) -> None:
+    """``nn.RNNBase.flatten_parameters``, which copies the weights into one cuDNN buffer
+    by their storage: a level's tensors (an ensemble's stacked weights under vmap) have
+    none of their own, and RNN ops under a level run without cuDNN, so it skips them."""
+    if not any(isinstance(w, LevelTensor) for w in self._flat_weights):
+        _flatten_parameters(self)
+
+
+torch.nn.RNNBase.flatten_parameters = _flatten_plain_parameters

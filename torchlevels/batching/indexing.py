@@ -157,6 +157,8 @@ def index_put(func, args, dims, kwargs):
     target = rank + _indexed_rank(logical_rank(self, self_bdim), indices)
     pos = pos or 0
     if dims[2] is None:
+        if values.dim() == 0 and values.device != self.device:  # `x[i] = 1.0`: a CPU scalar
+            values = values.to(self.device)
         values = values.reshape((1,) * (target - values.dim()) + values.shape)
         values = _move_block(values, rank, pos, 0)
     else:

@@ -34,6 +34,7 @@ from torchlevels.batching.registry import (
     batch_size,
     bound_arguments,
     decomposition_of,
+    loop_rule,
     register,
     skip_decomposition,
 )
@@ -854,3 +855,57 @@ def flash_attention_cpu_backward(func, args, dims, kwargs):
     size, n = batch_size(args, dims), logical_shape(args[1], dims[1])[0]
     grads = func(*_fold_attention(args, dims, 6, size), *args[6:], **_fold_mask(kwargs, size))
     return tuple(g.unflatten(0, (size, n)) for g in grads), (0, 0, 0)
+
+
+def _fold_bias(bias: torch.Tensor | None, bdim: int | None, size: int) -> torch.Tensor | None:
+    """CUDA's memory-efficient attention's bias with the batch folded into N, laid out as
+    its kernel needs (every stride but the last a multiple of 16 elements), as PyTorch's
+    own ``scaled_dot_product_attention`` pads it: a fold may copy it without the padding."""
+    if bias is None:
+        return None
+    bias = materialize(bias, bdim, size).flatten(0, 1)
+    if bias.stride(-1) == 1 and all(s % 16 == 0 for s in bias.stride()[:-1]):
+        return bias
+    return torch.nn.functional.pad(bias, (0, -bias.shape[-1] % 16))[..., :bias.shape[-1]]
+
+
+def _unfold(t: torch.Tensor | None, size: int, n: int) -> tuple[torch.Tensor | None, int | None]:
+    """An output of a folded call, and its batch dim (none for an empty or absent one)."""
+    if t is None or t.dim() == 0 or t.numel() == 0:
+        return t, None
+    return t.unflatten(0, (size, n)), 0
+
+
+@register(aten._scaled_dot_product_efficient_attention.default)
+def efficient_attention(func, args, dims, kwargs):
+    """CUDA's memory-efficient attention: the batch folded into N. With dropout, a loop
+    (each example's draws are its own)."""
+    if len(args) > 5 and args[5]:
+        return loop_rule(func, args, dims, kwargs)
+    size, n = batch_size(args, dims), logical_shape(args[0], dims[0])[0]
+    out, lse, seed, offset = func(*_fold_attention(args, dims, 3, size),
+                                  _fold_bias(args[3], dims[3], size), *args[4:], **kwargs)
+    (out, d_out), (lse, d_lse) = _unfold(out, size, n), _unfold(lse, size, n)
+    return (out, lse, seed, offset), (d_out, d_lse, None, None)
+
+
+@register(aten._scaled_dot_product_efficient_attention_backward.default)
+def efficient_attention_backward(func, args, dims, kwargs):
+    """Fold the batch into N, of the gradient, the inputs, the bias and the forward's
+    outputs (its random state is shared: with dropout, a loop)."""
+    if args[9]:
+        return loop_rule(func, args, dims, kwargs)
+    size, n = batch_size(args, dims), logical_shape(args[1], dims[1])[0]
+    grad_out, query, key, value = _fold_attention(args, dims, 4, size)
+    out, lse = _fold_attention(args[5:7], dims[5:7], 2, size)
+    grads = func(grad_out, query, key, value, _fold_bias(args[4], dims[4], size), out, lse,
+                 *args[7:], **kwargs)
+    unfolded = [_unfold(g, size, n) for g in grads]
+    return tuple(g for g, _ in unfolded), tuple(d for _, d in unfolded)
+
+
+@register(aten._use_cudnn_ctc_loss.default, aten._use_cudnn_ctc_loss.Tensor)
+def use_cudnn_ctc_loss(func, args, dims, kwargs):
+    """Whether ``ctc_loss`` may take cuDNN's kernel: not under vmap, where the native
+    kernel's rule (above) batches it, and cuDNN's has none."""
+    return False, None

@@ -421,11 +421,18 @@ def out_of_place_view(func: OpOverload) -> OpOverload | None:
 @per_op
 def gradient_flags(func: OpOverload) -> tuple[tuple[int, int], ...]:
     """For an op told which gradients to compute (``compute_input_grad``, decided by the
-    caller from ``input.requires_grad``): (flag position, tensor position) pairs."""
+    caller from ``input.requires_grad``), or whether to save what its backward needs
+    (CUDA's attention kernels' ``compute_log_sumexp``, decided from its tensors'):
+    (flag position, tensor position) pairs."""
     names = [a.name for a in func._schema.arguments]
     flagged = [(i, n.removeprefix("compute_").removesuffix("_grad")) for i, n in enumerate(names)
                if n.startswith("compute_") and n.endswith("_grad")]
-    return tuple((i, names.index(arg)) for i, arg in flagged if arg in names)
+    pairs = [(i, names.index(arg)) for i, arg in flagged if arg in names]
+    if "compute_log_sumexp" in names:
+        flag = names.index("compute_log_sumexp")
+        pairs += [(flag, names.index(t)) for t in ("query", "key", "value", "attn_bias")
+                  if t in names]
+    return tuple(pairs)
 
 
 def bound_arguments(func: OpOverload, args: tuple, kwargs: dict) -> dict[str, Any]:
