@@ -1153,6 +1153,8 @@ NO_FORWARD_FORMULA = {  # each reaches an aten op that has none (torch.func rais
 
 @pytest.mark.parametrize("name", NO_FORWARD_FORMULA)
 def test_forward_mode_through_an_op_without_a_forward_formula(name):
+    if name == "CPU flash attention" and torch.empty(0).is_cuda:
+        pytest.skip("an op of the CPU alone")
     """jvp runs such an op as its decomposition, whose pieces have formulas; under vmap the
     composite ops among them (matmul) must decompose too, for forward AD to see them."""
     f, shape = NO_FORWARD_FORMULA[name]

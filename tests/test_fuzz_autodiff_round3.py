@@ -35,6 +35,8 @@ def test_attention_differentiated_in_its_mask(case):
     def on_the_cpu(m):  # PyTorch's CUDA kernel saves nothing for a mask's gradient alone
         return F.scaled_dot_product_attention(q.cpu(), k.cpu(), v.cpu(), attn_mask=m)
 
+    if case == "hessian" and mask.is_cuda:
+        pytest.skip("PyTorch has no double backward for CUDA's memory-efficient attention")
     run = _ATTENTION_IN_THE_MASK[case]
     expected = (run(tf, on_the_cpu, mask.cpu()) if mask.is_cuda
                 else run(tf, attention, mask))

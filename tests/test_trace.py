@@ -230,7 +230,7 @@ def test_compile_keys_signed_zeros_and_the_autocast_state():
     w = torch.randn(3, 3)
     f = tl.vmap(lambda r: r @ w)
     compiled, xs = tl.compile(f), torch.randn(4, 3)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast(torch.get_default_device().type, dtype=torch.bfloat16):
         assert compiled(xs).dtype == torch.bfloat16
     assert compiled(xs).dtype == f(xs).dtype == torch.float32
 

@@ -904,8 +904,9 @@ def efficient_attention_backward(func, args, dims, kwargs):
     return tuple(g for g, _ in unfolded), tuple(d for _, d in unfolded)
 
 
-@register(aten._use_cudnn_ctc_loss.default, aten._use_cudnn_ctc_loss.Tensor)
+@register(aten._use_cudnn_ctc_loss.default, aten._use_cudnn_ctc_loss.Tensor,
+          aten._use_miopen_ctc_loss.default, aten._use_miopen_ctc_loss.Tensor)
 def use_cudnn_ctc_loss(func, args, dims, kwargs):
-    """Whether ``ctc_loss`` may take cuDNN's kernel: not under vmap, where the native
-    kernel's rule (above) batches it, and cuDNN's has none."""
+    """Whether ``ctc_loss`` may take cuDNN's (or MIOpen's) kernel: not under vmap, where
+    the native kernel's rule (above) batches it, and theirs have none."""
     return False, None
