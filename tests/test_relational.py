@@ -487,7 +487,7 @@ import resource, sys, torch
 from torchlevels.dim import dims
 from torchlevels.relational import Table, cat, where
 n, m = 2_000_000, 200_000
-gen = seeded(0)
+gen = torch.Generator().manual_seed(0)
 orders = Table({"cust": torch.randint(0, m, (n,), generator=gen), "x": torch.rand(n)})
 customers = Table({"id": torch.randperm(m, generator=gen), "y": torch.rand(m)})
 inputs = sum(c.values.nbytes for t in (orders, customers) for c in t.columns.values())
