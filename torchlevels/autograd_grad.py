@@ -53,6 +53,8 @@ def on_this_thread(outputs: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
     as if no level were live."""
     with torch.autograd.set_multithreading_enabled(False):
         return pytorch_grad(outputs, inputs, *args, **kwargs)
+
+
 # set while a level's own call is handed back to torch.autograd.grad (see own_grad)
 _own_call: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "torchlevels_own_grad_call", default=False)

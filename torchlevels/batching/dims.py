@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import warnings
+from collections.abc import Callable
 
 import torch
 
@@ -39,6 +41,25 @@ def example_meta(args, dims) -> list:
 _KERNEL_TAKES: set[tuple] = set()  # (op, its tensors' dtypes and devices) run once
 
 
+def kernel_on_zeros(key: tuple, call: Callable[[], object],
+                    refused: Callable[[Exception], bool]) -> None:
+    """The first time ``key`` (an op, its tensors' dtypes and devices) is met, run ``call``:
+    the op's own kernel on zeros shaped as one example (made inside ``call``), unseen by
+    any level, mode or autograd. Raise what it raises where ``refused(error)``: the error
+    each example's call raises. Other errors (the zeros may be bad values) are left to the
+    call itself."""
+    if key in _KERNEL_TAKES:
+        return
+    try:
+        with torch._C._DisableTorchDispatch(), torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (an out= tensor's resize)
+            call()
+    except Exception as error:
+        if refused(error):
+            raise
+    _KERNEL_TAKES.add(key)
+
+
 def refuse_dtypes_the_kernel_refuses(func, args, dims, kwargs) -> None:
     """Raise the error each example's call raises when ``func``'s own kernel has no
     version for its tensors' dtypes (``"prelu_cpu" not implemented for 'Long'``). A rule
@@ -53,19 +74,15 @@ def refuse_dtypes_the_kernel_refuses(func, args, dims, kwargs) -> None:
            for a in args) or any(isinstance(v, torch.Tensor) for v in kwargs.values()):
         return
     key = (func, *((a.dtype, a.device.type) for a in args if isinstance(a, torch.Tensor)))
-    if key in _KERNEL_TAKES or len(key) == 1:
+    if len(key) == 1:
         return
-    examples = [torch.zeros(logical_shape(a, d), dtype=a.dtype, device=a.device)
-                if isinstance(a, torch.Tensor) else a for a, d in zip(args, dims)]
-    try:
-        with torch._C._DisableTorchDispatch(), torch.no_grad():
-            func(*examples, **kwargs)
-    except NotImplementedError as error:
-        if "not implemented for" in str(error):
-            raise
-    except Exception:
-        pass
-    _KERNEL_TAKES.add(key)
+
+    def call():
+        func(*(torch.zeros(logical_shape(a, d), dtype=a.dtype, device=a.device)
+               if isinstance(a, torch.Tensor) else a for a, d in zip(args, dims)), **kwargs)
+
+    kernel_on_zeros(key, call, lambda error: isinstance(error, NotImplementedError)
+                    and "not implemented for" in str(error))
 
 
 def span(sizes, strides) -> int:

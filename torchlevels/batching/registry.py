@@ -32,6 +32,7 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 
 from torchlevels._level import LevelTensor, autograd_on, differentiated
 from torchlevels.batching import shortcuts
+from torchlevels.batching.dims import kernel_on_zeros
 
 Rule = Callable[[OpOverload, tuple, tuple, dict], tuple[Any, Any]]
 
@@ -341,30 +342,21 @@ def into_out(func: OpOverload, *args: Any, **kwargs: Any) -> Any:
     return outs[0] if len(outs) == 1 else tuple(outs)
 
 
-_OUT_KERNEL_TAKES: set[tuple] = set()  # (out= op, its tensors' dtypes and devices) run once
-
-
 def _out_kernel_on_zeros(func: OpOverload, args: tuple, kwargs: dict) -> None:
     """Raise the dtype error one example's call raises where an out tensor's dtype is not
     the result's (softmax and clamp refuse another float dtype, which a copy would cast
-    to): the first time ``func`` meets a combination of dtypes and devices, it runs on
-    zeros shaped as one example, unseen by any level, mode or autograd. Other errors there
-    (the zeros may be bad values) are left to the call itself."""
+    to), from ``func``'s kernel on zeros (see :func:`dims.kernel_on_zeros`)."""
     tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-    key = (func, *((t.dtype, t.device.type) for t in tensors))
-    if key in _OUT_KERNEL_TAKES:
-        return
-    args, kwargs = tree_map_only(
-        torch.Tensor, lambda t: torch.zeros(t.shape, dtype=t.dtype, device=t.device),
-        (args, kwargs))
-    try:
-        with torch._C._DisableTorchDispatch(), torch.no_grad(), warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # an out tensor's resize
-            func(*args, **kwargs)
-    except (RuntimeError, TypeError) as error:  # (cat's cast error is a TypeError)
-        if "type" in str(error) or "cast" in str(error):
-            raise
-    _OUT_KERNEL_TAKES.add(key)
+
+    def call():
+        zeros = tree_map_only(
+            torch.Tensor, lambda t: torch.zeros(t.shape, dtype=t.dtype, device=t.device),
+            (args, kwargs))
+        func(*zeros[0], **zeros[1])
+
+    kernel_on_zeros((func, *((t.dtype, t.device.type) for t in tensors)), call,
+                    lambda error: isinstance(error, (RuntimeError, TypeError))  # (cat's cast)
+                    and ("type" in str(error) or "cast" in str(error)))
 
 
 def _out_call_on_meta(func: OpOverload, args: tuple, kwargs: dict) -> None:
