@@ -880,7 +880,7 @@ def _unfold(t: torch.Tensor | None, size: int, n: int) -> tuple[torch.Tensor | N
 def efficient_attention(func, args, dims, kwargs):
     """CUDA's memory-efficient attention: the batch folded into N. With dropout, a loop
     (each example's draws are its own)."""
-    if len(args) > 5 and args[5]:
+    if bound_arguments(func, args, kwargs)["dropout_p"]:
         return loop_rule(func, args, dims, kwargs)
     size, n = batch_size(args, dims), logical_shape(args[0], dims[0])[0]
     out, lse, seed, offset = func(*_fold_attention(args, dims, 3, size),
@@ -893,7 +893,7 @@ def efficient_attention(func, args, dims, kwargs):
 def efficient_attention_backward(func, args, dims, kwargs):
     """Fold the batch into N, of the gradient, the inputs, the bias and the forward's
     outputs (its random state is shared: with dropout, a loop)."""
-    if args[9]:
+    if bound_arguments(func, args, kwargs)["dropout_p"]:
         return loop_rule(func, args, dims, kwargs)
     size, n = batch_size(args, dims), logical_shape(args[1], dims[1])[0]
     grad_out, query, key, value = _fold_attention(args, dims, 4, size)
