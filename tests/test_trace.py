@@ -2,6 +2,7 @@
 eager torch.func on the autodiff workloads."""
 
 import io
+import warnings
 
 import pytest
 import torch
@@ -308,3 +309,59 @@ def test_compile_traces_again_for_a_storage_offset_that_an_as_strided_view_holds
     for start in (0, 3):
         plain(base[:, start:start + 3])
     assert len(next(iter(plain.cache.values()))) == 1
+
+
+def test_compile_keeps_at_most_cache_size_limit_traces_then_runs_eagerly():
+    traces = []
+
+    def f(x):
+        traces.append(1)
+        return tl.vmap(tl.grad(lambda x: x.sin().sum()))(x)
+
+    compiled = tl.compile(f, cache_size_limit=3)
+    for n in (2, 3, 4):
+        compiled(torch.randn(n, 3))
+    assert len(traces) == 3
+    with pytest.warns(UserWarning, match="cache_size_limit"):
+        x = torch.randn(5, 3)
+        torch.testing.assert_close(compiled(x), tf.vmap(tf.grad(lambda x: x.sin().sum()))(x))
+    assert len(traces) == 4 and sum(map(len, compiled.cache.values())) == 3
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # warned once
+        compiled(torch.randn(6, 3))  # eager again
+        compiled(torch.randn(2, 3))  # a kept signature still replays
+    assert len(traces) == 5
+
+
+def test_compile_of_views_at_ever_new_offsets_stops_tracing_at_the_limit():
+    # each offset is a new trace for a graph with an as_strided view: without a bound,
+    # a loop over the rows of a buffer would keep one graph per row
+    f = tl.vmap(lambda x: x.as_strided((2,), (1,)))
+    compiled = tl.compile(f)
+    base = torch.arange(60.0).reshape(2, 30)
+    with pytest.warns(UserWarning, match="run eagerly"):
+        for start in range(20):
+            x = base[:, start:start + 3]
+            torch.testing.assert_close(compiled(x), tf.vmap(lambda x: x.as_strided((2,), (1,)))(x))
+    assert sum(map(len, compiled.cache.values())) == compiled.cache_size_limit == 8
+
+
+def test_compile_drops_the_traces_of_modules_that_no_longer_exist():
+    def f(model, x):
+        return tl.vmap(model)(x)
+
+    compiled = tl.compile(lambda x: f(models[-1], x), cache_size_limit=2)
+    x = torch.randn(4, 3)
+    models = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(5):  # each call a new module; the last one's trace is kept
+            models[:] = [torch.nn.Linear(3, 2)]
+            torch.testing.assert_close(compiled(x), tf.vmap(models[-1])(x))
+    assert sum(map(len, compiled.cache.values())) == 1
+
+
+def test_compile_refuses_a_cache_size_limit_that_is_not_a_positive_int():
+    for bad in (0, -1, 2.5):
+        with pytest.raises(ValueError, match="cache_size_limit must be a positive int"):
+            tl.compile(lambda x: x, cache_size_limit=bad)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -157,12 +158,19 @@ def _data_dependent(func: Callable, op: str) -> str:
 
 class CompiledFunction:
     """``compile(f)``: traces cached per input signature, each kept with the training flags
-    of the modules it ran, and replayed while those flags hold."""
+    of the modules it ran, and replayed while those flags hold. At most ``cache_size_limit``
+    traces are kept; a call that would need another runs ``f`` eagerly."""
 
-    def __init__(self, func: Callable, backend: str | Callable | None) -> None:
+    def __init__(self, func: Callable, backend: str | Callable | None,
+                 cache_size_limit: int) -> None:
+        if not isinstance(cache_size_limit, int) or cache_size_limit < 1:
+            raise ValueError(f"compile: cache_size_limit must be a positive int, got "
+                             f"{cache_size_limit!r}")
         self.func = func
         self.backend = backend
+        self.cache_size_limit = cache_size_limit
         self.cache: dict[Any, list[_Trace]] = {}
+        self._warned = False
         wraps_function(func, self)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -172,17 +180,39 @@ class CompiledFunction:
             flat, spec = tree_flatten((args, kwargs))
         key = (spec, torch.is_grad_enabled(), _autocast(), _aliasing(flat),
                *(_signature(a) for a in flat))
-        traces = self.cache.setdefault(key, [])
+        traces = self.cache.get(key, ())
         entry = next((t for t in traces if t.holds(flat)), None)
         if entry is not None:
             return tree_unflatten(entry.run(*(flat[i] for i in entry.tensors)), entry.out_spec)
+        if not self._room():
+            return self.func(*args, **kwargs)
         with _modules_run() as modules:
             gm, out_spec, outputs = _trace(self.func, args, kwargs)
         tensors = [i for i, a in enumerate(flat) if isinstance(a, torch.Tensor)]
         inputs = [flat[i] for i in tensors]
         run = _backend(gm, self.backend, inputs)
-        traces.append(_Trace(run, out_spec, tensors, modules, _storage_offsets(gm, inputs)))
+        self.cache.setdefault(key, []).append(
+            _Trace(run, out_spec, tensors, modules, _storage_offsets(gm, inputs)))
         return tree_unflatten(outputs, out_spec)  # the traced run's: it wrote in place
+
+    def _room(self) -> bool:
+        """Whether one more trace fits, after dropping those of modules that no longer
+        exist (no call can replay them); warns once when none does."""
+        for key in list(self.cache):
+            self.cache[key] = [t for t in self.cache[key] if t.alive()]
+            if not self.cache[key]:
+                del self.cache[key]
+        if sum(map(len, self.cache.values())) < self.cache_size_limit:
+            return True
+        if not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"compile: {getattr(self.func, '__name__', 'the function')} has traced "
+                f"{self.cache_size_limit} input signatures (cache_size_limit); calls with a "
+                "new one run eagerly from now on. Keep shapes, dtypes and non-tensor "
+                "arguments fixed, pass numbers that vary as tensors, or raise "
+                "compile(f, cache_size_limit=...).", stacklevel=3)
+        return False
 
 
 @dataclass
@@ -196,6 +226,10 @@ class _Trace:
     tensors: list[int]  # which flattened arguments are the graph's inputs
     modules: list[tuple[weakref.ref, bool]]
     offsets: tuple[int, ...] | None
+
+    def alive(self) -> bool:
+        """Whether every module the trace ran still exists."""
+        return all(ref() is not None for ref, _ in self.modules)
 
     def holds(self, flat: Sequence) -> bool:
         if self.offsets is not None and self.offsets != tuple(
@@ -309,7 +343,8 @@ def _autocast() -> tuple:
                  for d in ("cpu", "cuda") if torch.is_autocast_enabled(d))
 
 
-def compile(func: Callable, backend: str | Callable | None = None) -> Callable:
+def compile(func: Callable, backend: str | Callable | None = None, *,
+            cache_size_limit: int = 8) -> Callable:
     """``f`` traced once per input signature (the pytree structure, each tensor's shape,
     strides, dtype, device and requires_grad, which tensor arguments are the same object,
     every other argument's value, grad mode, autocast; storage offsets too for a graph with an
@@ -322,6 +357,10 @@ def compile(func: Callable, backend: str | Callable | None = None) -> Callable:
     reads (a global, a captured number) is fixed in the trace, as in ``jax.jit``; pass it
     as an argument to have it checked. Arguments that are neither tensors nor hashable
     raise TypeError.
+
+    At most ``cache_size_limit`` traces are kept (8, as ``torch.compile``'s limit): a
+    call that would need one more runs ``f`` eagerly, with a warning the first time. A
+    trace of a module that no longer exists is dropped.
 
     ``backend=None`` replays the ``torch.fx`` graph as is; ``backend="inductor"`` (or any
     ``torch.compile`` backend) compiles each graph with ``torch.compile``. Results equal
@@ -343,4 +382,4 @@ def compile(func: Callable, backend: str | Callable | None = None) -> Callable:
         >>> len(f.cache)  # a second call with the same signature replays
         1
     """
-    return CompiledFunction(func, backend)
+    return CompiledFunction(func, backend, cache_size_limit)
