@@ -115,6 +115,18 @@ def test_in_place_as_strided_under_grad_of_vmap_matches_a_loop():
     torch.testing.assert_close(vmap(torchlevels.grad(f))(xs), loop)
 
 
+@pytest.mark.parametrize("in_dim", [0, 1])
+def test_resize_to_each_examples_own_size_is_a_no_op_and_another_size_raises(in_dim):
+    x = torch.randn(3, 4, 2)
+    same = lambda a: a.clone().resize_(a.shape).mul_(2)  # noqa: E731
+    torch.testing.assert_close(vmap_without_slow_loop(same, x, in_dims=in_dim),
+                               loop_reference(same, [x], in_dim))
+    # torch.func resizes the physical tensor (batched at 0 only), so its examples read each
+    # other's elements
+    with pytest.raises(RuntimeError, match="only a resize to each example's own size"):
+        vmap(lambda a: a.clone().resize_(2), in_dims=in_dim)(x)
+
+
 @pytest.mark.parametrize("in_dims", [(0, 0), (1, None), (2, 1), (None, 0)])
 def test_as_strided_scatter_writes_each_examples_own_clone(in_dims):
     """Each example's result is a clone of its input written through as_strided of the
