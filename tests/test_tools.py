@@ -136,6 +136,37 @@ def test_count_flops_counts_jacobians_and_hessians(transform):
         assert cf.total == mode.get_total_flops()
 
 
+_W, _K = torch.randn(16, 16), torch.randn(4, 3, 3)
+_UNDER_FLOP_COUNTER = {
+    "vmap": lambda L, x: L.vmap(lambda a: (a @ _W).relu() @ _W)(x),
+    "vmap conv": lambda L, x: L.vmap(lambda a: F.conv1d(a[None], _K))(x),
+    "vmap(grad)": lambda L, x: L.vmap(L.grad(lambda a: (a @ _W).tanh().sum()))(x),
+    "grad(vmap)": lambda L, x: L.grad(lambda a: L.vmap(lambda b: b @ _W)(a).sum())(x),
+    "per-sample grads": lambda L, x: L.vmap(L.grad(lambda k, a: F.conv1d(a[None], k).sum()),
+                                            in_dims=(None, 0))(_K, x),
+    "jacrev": lambda L, x: L.jacrev(lambda a: a @ _W)(x[0]),
+    "jacfwd": lambda L, x: L.jacfwd(lambda a: a @ _W)(x[0]),
+    "jvp": lambda L, x: L.jvp(lambda a: a @ _W, (x,), (x,)),
+    "vmap(vmap)": lambda L, x: L.vmap(L.vmap(lambda a: a @ _W))(x),
+}
+
+
+@pytest.mark.parametrize("name", list(_UNDER_FLOP_COUNTER))
+def test_flop_counter_mode_around_a_transform_counts_what_it_counts_around_torch_func(name):
+    # the mode sees the batched ops every level runs, not one example's (which it would
+    # see on the levels' tensors if they did not make it decline them)
+    run, x = _UNDER_FLOP_COUNTER[name], torch.randn(8, 3, 16)
+    with FlopCounterMode(display=False) as ours:
+        out = run(tl, x)
+    with FlopCounterMode(display=False) as theirs:
+        expected = run(tf, x)
+    torch.testing.assert_close(out, expected)
+    assert ours.get_total_flops() == theirs.get_total_flops() > 0
+    with ours:  # the same mode, entered again with no transform: it counts as it did
+        x @ _W
+    assert ours.get_total_flops() == 2 * 8 * 3 * 16 * 16
+
+
 def test_count_flops_lists_ops_with_no_formula_instead_of_counting_zero():
     w, x = torch.randn(8, 4), torch.randn(4)
     cf = tl.count_flops(lambda w: (w @ x).exp().sum())

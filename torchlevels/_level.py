@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextvars
 import os
 import sys
+import types
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -43,6 +44,7 @@ _PYTHON_KEYS = (torch._C.DispatchKey.Python, torch._C.DispatchKey.PythonTLSSnaps
 _python_key_included = torch._C._dispatch_tls_is_dispatch_key_included
 _set_included = torch._C._dispatch_tls_set_dispatch_key_included
 _dispatch_modes = torch._C._len_torch_dispatch_stack
+_dispatch_mode_at = torch._C._get_dispatch_stack_at
 _no_subclass_torch_function = torch._C.DisableTorchFunctionSubclass
 _disabled_torch_function = torch._C._disabled_torch_function_impl
 _make_wrapper_subclass = torch.Tensor._make_wrapper_subclass
@@ -616,6 +618,31 @@ def _refuse_inside_torch_func(level: Level) -> None:
         )
 
 
+def _decline_levels(mode: Any) -> None:
+    """Make a user's ``TorchDispatchMode``, active when a level is entered, decline the ops
+    on the levels' tensors, so that it sees the plain ops every level runs, as a mode around
+    torch.func's transforms does (``FlopCounterMode`` then counts the batched ops, not one
+    example's). PyTorch hands a declined op on to the tensors' ``__torch_dispatch__``, with
+    the mode still active for the ops that runs. Outside the transforms nothing changes:
+    no level's tensor lives there. PyTorch's own infrastructure modes (fake tensors,
+    make_fx's tracer) decline subclasses they do not know already, and are left as they are.
+    """
+    if getattr(mode, "_mode_key", None) is not None or not hasattr(mode, "__dict__") or (
+            "_torchlevels_dispatch" in vars(mode)):
+        return
+    mode._torchlevels_dispatch = mode.__torch_dispatch__
+    mode.__torch_dispatch__ = types.MethodType(_declining_dispatch, mode)
+
+
+def _declining_dispatch(self: Any, func: Any, types_: tuple, args: tuple = (),
+                        kwargs: dict | None = None) -> Any:
+    """A mode's ``__torch_dispatch__`` once :func:`_decline_levels` has seen it."""
+    for t in types_:
+        if issubclass(t, LevelTensor):
+            return NotImplemented
+    return self._torchlevels_dispatch(func, types_, args, kwargs)
+
+
 class entered:  # lower case: used like the function it replaced, `with entered(cls)`
     """Make ``cls`` the innermost live level while the block runs; it is dead after.
 
@@ -630,6 +657,9 @@ class entered:  # lower case: used like the function it replaced, `with entered(
     def __enter__(self) -> type[LevelTensor]:
         if _get_interpreter_stack() is not None:
             _refuse_inside_torch_func(self.cls._level)
+        if _dispatch_modes():
+            for i in range(_dispatch_modes()):
+                _decline_levels(_dispatch_mode_at(i))
         self.token = _innermost.set(self.cls)
         return self.cls
 
