@@ -657,9 +657,8 @@ class entered:  # lower case: used like the function it replaced, `with entered(
     def __enter__(self) -> type[LevelTensor]:
         if _get_interpreter_stack() is not None:
             _refuse_inside_torch_func(self.cls._level)
-        if _dispatch_modes():
-            for i in range(_dispatch_modes()):
-                _decline_levels(_dispatch_mode_at(i))
+        for i in range(_dispatch_modes()):  # (none, usually)
+            _decline_levels(_dispatch_mode_at(i))
         self.token = _innermost.set(self.cls)
         return self.cls
 
