@@ -1,0 +1,78 @@
+"""jvp through arithmetic with numbers and with tensors that have no tangent.
+
+Forward AD gives such an operand a ZeroTensor tangent, and PyTorch's ZeroTensor kernels
+of the arithmetic ops find their result's shape through Python references (100-300 us
+an op). The jvp level runs these ops as their Scalar overloads, or, for a sum, with an
+explicit zero tangent: the results must stay torch.func's, bit for bit where the formula
+is the same, with infinities and NaNs in the primals too.
+"""
+
+import pytest
+import torch
+import torch.func as tf
+from test_transforms_api import assert_tree_close
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import torchlevels as tl
+
+aten = torch.ops.aten
+
+
+class _ZeroTensors(TorchDispatchMode):
+    """Counts the ZeroTensors made under it."""
+
+    def __init__(self):
+        super().__init__()
+        self.made = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.made += func is aten._efficientzerotensor.default
+        return func(*args, **(kwargs or {}))
+
+
+B = torch.randn(4)  # a captured tensor, with no tangent
+FUNCTIONS = {
+    "times a number": lambda x: x * 0.5 + 2 * x,
+    "plus and minus numbers": lambda x: (x + 1.5) - 3 + (1 - x),
+    "divided by numbers": lambda x: x / 4 + torch.div(x, 3, rounding_mode=None),
+    "add with alpha": lambda x: torch.add(x, 2.0, alpha=3) + torch.sub(x, 1, alpha=0.5),
+    "complex number": lambda x: (x * 1j + 2j).abs(),
+    "bool number": lambda x: x * True + x,
+    "plus a captured tensor": lambda x: x + B - B.exp() + (B - x),
+    "plus a captured tensor with alpha":
+        lambda x: torch.add(x, B, alpha=2) + torch.sub(B, x, alpha=3),
+    "in place": lambda x: x.clone().mul_(0.5).add_(1).sub_(B).div_(2),
+    "broadcast": lambda x: x[:, None] + B + 0.5,
+    "float64 number into float32": lambda x: x * 1e-3 + 1e300 * 0,
+}
+
+
+@pytest.mark.parametrize("name", list(FUNCTIONS))
+def test_jvp_and_jacfwd_of_arithmetic_with_constants_equal_torch_func(name):
+    f = FUNCTIONS[name]
+    x, t = torch.randn(4), torch.randn(4)
+    assert_tree_close(tl.jvp(f, (x,), (t,)), tf.jvp(f, (x,), (t,)), rtol=0, atol=0)
+    assert_tree_close(tl.jacfwd(f)(x), tf.jacfwd(f)(x), rtol=0, atol=0)
+    xs = torch.randn(3, 4)
+    assert_tree_close(tl.vmap(tl.jacfwd(f))(xs), tf.vmap(tf.jacfwd(f))(xs))
+    assert_tree_close(tl.jvp(tl.grad(lambda x: f(x).sum()), (x,), (t,)),
+                      tf.jvp(tf.grad(lambda x: f(x).sum()), (x,), (t,)))
+
+
+def test_tangents_stay_finite_where_the_primal_is_infinite():
+    # a ZeroTensor is a strong zero (0 * inf = 0): the Scalar overloads keep that
+    x = torch.tensor([float("inf"), -float("inf"), float("nan"), 1.0])
+    t = torch.ones(4)
+    for f in (lambda x: x * 0.5, lambda x: x / 2, lambda x: x + B, lambda x: 3.0 - x * 2):
+        assert_tree_close(tl.jvp(f, (x,), (t,)), tf.jvp(f, (x,), (t,)), equal_nan=True)
+
+
+def test_no_zero_tensor_is_made_for_numbers_and_added_constants():
+    x, t = torch.randn(4), torch.randn(4)
+    f = FUNCTIONS["plus a captured tensor"]
+    g = FUNCTIONS["times a number"]
+    with _ZeroTensors() as ours:
+        tl.jvp(lambda x: f(g(x)), (x,), (t,))
+    with _ZeroTensors() as theirs:
+        tf.jvp(lambda x: f(g(x)), (x,), (t,))
+    assert ours.made == 0 < theirs.made
