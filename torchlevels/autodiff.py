@@ -594,12 +594,15 @@ class JvpLevel(Level):
         return out
 
 
-# Forward AD gives an operand that has no tangent a ZeroTensor one, and PyTorch's
-# ZeroTensor kernels of the arithmetic ops learn their result's shape by running the op on
-# meta tensors through its Python reference: 100-300 us an op (x * 0.5, x + bias), where
-# the op with tangents takes 5. For a number, the op's Scalar overload has no second
-# tangent (its formula is the same, less that term); for a tensor added or subtracted,
-# an explicit zero tangent adds exactly nothing.
+# Forward AD gives an operand that has no tangent a ZeroTensor one, and PyTorch's ZeroTensor
+# arithmetic learns its result's shape by running the op on meta tensors through Python:
+# 100-400 us an op (x * 0.5, x + bias, a linear layer's or a norm's captured bias and
+# weight), where the op with tangents takes 5-60. For a number, the op's Scalar overload
+# has no second tangent (its formula is the same, less that term). A tensor whose tangent
+# the formula only adds (a sum's operands, a bias) gets an explicit zero one, and so does
+# a norm's weight where its tangent only multiplies the normalized input of statistics
+# computed here (not from running stats): where that is not finite, so are the whole
+# row's or group's outputs and tangents. No value changes.
 aten = torch.ops.aten
 _SCALAR_OVERLOADS = {
     aten.mul.Tensor: aten.mul.Scalar, aten.mul_.Tensor: aten.mul_.Scalar,
@@ -608,27 +611,50 @@ _SCALAR_OVERLOADS = {
     aten.div.Tensor: aten.div.Scalar, aten.div_.Tensor: aten.div_.Scalar,
     aten.div.Tensor_mode: aten.div.Scalar_mode, aten.div_.Tensor_mode: aten.div_.Scalar_mode,
 }
-_SUMS = {aten.add.Tensor, aten.sub.Tensor}
-_WITHOUT_ZERO_TANGENTS = frozenset((*_SCALAR_OVERLOADS, *_SUMS))
+
+
+def _batch_norm_zero_tangents(args: tuple) -> tuple[int, ...]:
+    """Batch norm's bias, and its weight in training (``training`` is argument 5)."""
+    return (1, 2) if len(args) > 5 and args[5] else (2,)
+
+
+_ZERO_TANGENT_ARGUMENTS = {  # op -> the positions of the arguments that may take one
+    aten.add.Tensor: (0, 1), aten.sub.Tensor: (0, 1), aten.add_.Tensor: (1,),
+    aten.sub_.Tensor: (1,), aten.addmm.default: (0,), aten.addmv.default: (0,),
+    aten.baddbmm.default: (0,), aten.addbmm.default: (0,), aten.addcmul.default: (0,),
+    aten.addcdiv.default: (0,), aten.convolution.default: (2,),
+    aten.native_layer_norm.default: (2, 3), aten.native_group_norm.default: (1, 2),
+    aten.native_batch_norm.default: _batch_norm_zero_tangents,
+    aten._native_batch_norm_legit.default: _batch_norm_zero_tangents,
+    aten._native_batch_norm_legit.no_stats: (1, 2),
+    aten._native_batch_norm_legit_no_training.default: (2,),
+}
+_WITHOUT_ZERO_TANGENTS = frozenset((*_SCALAR_OVERLOADS, *_ZERO_TANGENT_ARGUMENTS))
 _NUMBER_TYPES = (int, float, bool, complex)
 
 
 def _without_zero_tangents(cls, func, args: tuple, dual_args: list, level: int) -> Any:
-    """``func``, or its Scalar overload, to run on ``dual_args`` (whose tensor without a
-    tangent may get an explicit zero one) so that forward AD makes no ZeroTensor (see
-    ``_SCALAR_OVERLOADS``)."""
-    if len(args) < 2:
+    """``func``, or its Scalar overload, to run on ``dual_args``, where a tensor without a
+    tangent may get an explicit zero one, so that forward AD makes no ZeroTensor for it
+    (see ``_ZERO_TANGENT_ARGUMENTS``)."""
+    has = [type(a) is cls and _view_tangent(a) is not None for a in args]
+    if not any(has):
         return func
-    tangents = [type(a) is cls and _view_tangent(a) is not None for a in args[:2]]
-    if tangents[0] and type(args[1]) in _NUMBER_TYPES:
-        return _SCALAR_OVERLOADS[func]
-    if func in _SUMS and tangents[0] != tangents[1]:
-        k = tangents.index(False)
-        other = args[k]
-        if isinstance(other, torch.Tensor) and type(other) is not cls and (
-                other.is_floating_point() or other.is_complex()):
-            dual_args[k] = _make_dual(dual_args[k], torch.zeros_like(dual_args[k]), level=level)
+    if has[0] and len(args) > 1 and type(args[1]) in _NUMBER_TYPES:
+        return _SCALAR_OVERLOADS.get(func, func)
+    positions = _ZERO_TANGENT_ARGUMENTS.get(func, ())
+    for k in positions(args) if callable(positions) else positions:
+        if k < len(args) and not has[k] and isinstance(args[k], torch.Tensor) and (
+                args[k].is_floating_point() or args[k].is_complex()) and (
+                not _has_internal_overlap(dual_args[k])):  # (make_dual refuses those)
+            dual_args[k] = _make_dual(dual_args[k], torch.zeros_like(dual_args[k]),
+                                      level=level)
     return func
+
+
+def _has_internal_overlap(t: torch.Tensor) -> bool:
+    """Whether elements of ``t`` may share memory (an expanded tensor), as PyTorch tells."""
+    return torch._debug_has_internal_overlap(t) != 0
 
 
 def _recorded_outside(cls, args: tuple, dual_args: list, dual_kwargs: dict) -> bool:
