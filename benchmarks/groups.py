@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from unittest import mock
 
 import torch
+import torch.autograd.forward_ad as forward_ad
 import torch.nn.functional as F
 from torch import nn
 
@@ -601,6 +602,46 @@ def hessian_group() -> list[Benchmark]:
                       {PLAIN: lambda: plain(x), LOOP: lambda: loop(x)})]
 
 
+def forward_group() -> list[Benchmark]:
+    """(f') forward mode: jacfwd and jvp of functions with captured weights and numbers."""
+    torch.manual_seed(0)
+    w1, b1 = torch.randn(64, 16) / 4, torch.randn(64)
+    w2, b2 = torch.randn(8, 64) / 8, torch.randn(8)
+
+    def mlp(x):  # one (16,) example, or a batch of them (the rows are independent)
+        h = torch.tanh(x @ w1.T + b1) * 0.5 + 0.5
+        return torch.tanh(h @ w2.T + b2) * 2 - 1
+
+    x, xs = torch.randn(16), torch.randn(64, 16)
+    t = torch.randn(8, 16)
+    y = torch.randn(8, 16)
+
+    def jacobians(xs):  # forward AD by hand: one dual per input direction, every example
+        n, d = xs.shape
+        eye = torch.eye(d).expand(n, d, d).contiguous()
+        with forward_ad.dual_level():
+            dual = forward_ad.make_dual(xs[:, None, :].expand(n, d, d).contiguous(), eye)
+            return forward_ad.unpack_dual(mlp(dual)).tangent.transpose(1, 2)
+
+    def chain_jvp():
+        with forward_ad.dual_level():
+            out = pointwise_chain(forward_ad.make_dual(x_chain, t), y, length=60)
+            return forward_ad.unpack_dual(out)
+
+    x_chain = torch.randn(8, 16)
+    return [
+        _autodiff("jacfwd, MLP 16-64-8 (tanh), one example", lambda lib: lib.jacfwd(mlp),
+                  (x,), {PLAIN: lambda: jacobians(x[None])[0]}, target=None),
+        _autodiff("vmap(jacfwd), MLP 16-64-8 (tanh), batch 64",
+                  lambda lib: lib.vmap(lib.jacfwd(mlp)), (xs,),
+                  {PLAIN: lambda: jacobians(xs)}, target=None),
+        _autodiff("jvp, pointwise chain, 60 ops, (8, 16)",
+                  lambda lib: lambda x, t: lib.jvp(
+                      lambda x: pointwise_chain(x, y, length=60), (x,), (t,)),
+                  (x_chain, t), {PLAIN: lambda: tuple(chain_jvp())}, target=None),
+    ]
+
+
 def grad_overhead_group() -> list[Benchmark]:
     """(g) vmap(grad) of a 60-op chain of tiny pointwise ops: per-op cost of two levels."""
     torch.manual_seed(0)
@@ -923,6 +964,22 @@ GROUPS: dict[str, Group] = {
         "losses' backwards and Hardswish have batching rules of their own. References: the "
         "Python loop and Opacus. No target.",
         regression_grad_group,
+    ),
+    "forward": Group(
+        "Forward mode",
+        "`jacfwd` of a small MLP (linear 16->64, tanh, scaled and shifted by numbers, "
+        "linear 64->8, tanh) for one example and under `vmap` for 64, and `jvp` of the "
+        "60-op pointwise chain of the grad overhead group. The weights, biases and the "
+        "chain's second operand are captured, so they have no tangent: forward AD gives "
+        "them a ZeroTensor one, whose arithmetic finds its result's shape through "
+        "PyTorch's Python references (100-300 us an op). torchlevels' jvp level runs "
+        "arithmetic with a number as its Scalar overload and a sum with a captured tensor "
+        "with an explicit zero tangent (torchlevels/autodiff.py, `_without_zero_tangents`); "
+        "a product with a captured tensor (the chain's `mul` and `maximum`) still takes "
+        "PyTorch's path. Reference: plain forward AD "
+        "(`torch.autograd.forward_ad`), the MLP's Jacobian columns as one batch of duals. "
+        "No target.",
+        forward_group,
     ),
     "hessian": Group(
         "Batched Hessians",
