@@ -59,6 +59,9 @@ FUNCTIONS = {
                                                      None, B, B, training=True),
     "batch norm in eval": lambda x: F.batch_norm(x.view(1, 4), B, B.abs() + 1, B, B),
     "convolution with a bias": lambda x: F.conv1d(x.view(1, 1, 4), W[:2, None, :2], B[:2]),
+    "maximum and minimum": lambda x: (torch.maximum(x, B) + torch.minimum(B, x)
+                                      + torch.fmax(x, B.where(B > 0, float("nan")))
+                                      + torch.fmin(B, x) + torch.rsub(x, B, alpha=2)),
     "addcmul and addcdiv": lambda x: torch.addcmul(B, x, x, value=2)
                                      + torch.addcdiv(B, x, x.exp()),
 }
@@ -81,9 +84,11 @@ def test_tangents_stay_finite_where_the_primal_is_infinite():
     x = torch.tensor([float("inf"), -float("inf"), float("nan"), 1.0])
     t = torch.ones(4)
     norms = ["layer norm with an affine weight", "group norm", "batch norm in training",
-             "batch norm in eval", "convolution with a bias", "addcmul and addcdiv"]
+             "batch norm in eval", "convolution with a bias", "addcmul and addcdiv",
+             "maximum and minimum"]
     for f in (lambda x: x * 0.5, lambda x: x / 2, lambda x: x + B, lambda x: 3.0 - x * 2,
               lambda x: F.linear(x[None], W, B),
+              lambda x: torch.maximum(x, x.detach().nan_to_num(0.0)) + torch.fmin(B, x),
               lambda x: F.layer_norm(x.view(2, 2), (2,), B[:2], B[:2]),
               *map(FUNCTIONS.get, norms)):
         assert_tree_close(tl.jvp(f, (x,), (t,)), tf.jvp(f, (x,), (t,)), equal_nan=True)
@@ -93,7 +98,7 @@ def test_no_zero_tensor_is_made_for_numbers_added_constants_biases_and_norm_weig
     x, t = torch.randn(4), torch.randn(4)
     names = ["plus a captured tensor", "times a number", "linear with a bias",
              "layer norm with an affine weight", "group norm", "batch norm in training",
-             "addcmul and addcdiv"]
+             "addcmul and addcdiv", "maximum and minimum"]
     for f in map(FUNCTIONS.get, names):
         with _ZeroTensors() as ours:
             tl.jvp(f, (x,), (t,))

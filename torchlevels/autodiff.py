@@ -599,10 +599,10 @@ class JvpLevel(Level):
 # 100-400 us an op (x * 0.5, x + bias, a linear layer's or a norm's captured bias and
 # weight), where the op with tangents takes 5-60. For a number, the op's Scalar overload
 # has no second tangent (its formula is the same, less that term). A tensor whose tangent
-# the formula only adds (a sum's operands, a bias) gets an explicit zero one, and so does
-# a norm's weight where its tangent only multiplies the normalized input of statistics
-# computed here (not from running stats): where that is not finite, so are the whole
-# row's or group's outputs and tangents. No value changes.
+# the formula only adds or selects (a sum's operands, a bias, maximum's) gets an explicit
+# zero one, and so does a norm's weight where its tangent only multiplies the normalized
+# input of statistics computed here (not from running stats): where that is not finite,
+# so are the whole row's or group's outputs and tangents. No value changes.
 aten = torch.ops.aten
 _SCALAR_OVERLOADS = {
     aten.mul.Tensor: aten.mul.Scalar, aten.mul_.Tensor: aten.mul_.Scalar,
@@ -619,8 +619,11 @@ def _batch_norm_zero_tangents(args: tuple) -> tuple[int, ...]:
 
 
 _ZERO_TANGENT_ARGUMENTS = {  # op -> the positions of the arguments that may take one
-    aten.add.Tensor: (0, 1), aten.sub.Tensor: (0, 1), aten.add_.Tensor: (1,),
-    aten.sub_.Tensor: (1,), aten.addmm.default: (0,), aten.addmv.default: (0,),
+    aten.add.Tensor: (0, 1), aten.sub.Tensor: (0, 1), aten.rsub.Tensor: (0, 1),
+    aten.add_.Tensor: (1,), aten.sub_.Tensor: (1,),
+    # (their formulas pick or average the tangents: other_t + mask * (self_t - other_t))
+    aten.maximum.default: (0, 1), aten.minimum.default: (0, 1), aten.fmax.default: (0, 1),
+    aten.fmin.default: (0, 1), aten.addmm.default: (0,), aten.addmv.default: (0,),
     aten.baddbmm.default: (0,), aten.addbmm.default: (0,), aten.addcmul.default: (0,),
     aten.addcdiv.default: (0,), aten.convolution.default: (2,),
     aten.native_layer_norm.default: (2, 3), aten.native_group_norm.default: (1, 2),
