@@ -362,6 +362,6 @@ def test_compile_drops_the_traces_of_modules_that_no_longer_exist():
 
 
 def test_compile_refuses_a_cache_size_limit_that_is_not_a_positive_int():
-    for bad in (0, -1, 2.5):
+    for bad in (0, -1, 2.5, True):
         with pytest.raises(ValueError, match="cache_size_limit must be a positive int"):
             tl.compile(lambda x: x, cache_size_limit=bad)

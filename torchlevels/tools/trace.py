@@ -163,7 +163,7 @@ class CompiledFunction:
 
     def __init__(self, func: Callable, backend: str | Callable | None,
                  cache_size_limit: int) -> None:
-        if not isinstance(cache_size_limit, int) or cache_size_limit < 1:
+        if type(cache_size_limit) is not int or cache_size_limit < 1:
             raise ValueError(f"compile: cache_size_limit must be a positive int, got "
                              f"{cache_size_limit!r}")
         self.func = func
