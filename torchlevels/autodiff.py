@@ -578,9 +578,13 @@ class JvpLevel(Level):
             if inplace or returns_view(func) or _recorded_outside(cls, args, dual_args,
                                                                    dual_kwargs):
                 out = call_recorded(func, dual_args, dual_kwargs)
-            else:  # forward AD alone (which no_grad leaves on)
-                with torch.no_grad():
+            else:  # forward AD alone (which grad mode off leaves on)
+                enabled = torch.is_grad_enabled()
+                _set_grad_enabled(False)  # (not torch.no_grad(): its object costs ~1 us)
+                try:
                     out = call_recorded(func, dual_args, dual_kwargs)
+                finally:
+                    _set_grad_enabled(enabled)
             if is_custom_op(func):
                 _refuse_custom_op(cls, func, args, dual_args[0] if inplace else out, level)
             if inplace:
@@ -847,6 +851,7 @@ def _update_inplace(self_: torch.Tensor, primal: torch.Tensor, tangent: Any) -> 
 # per-call checks and export hooks (levels call them on every op); make_dual's one-time
 # loading of forward AD's decompositions is done here instead
 _make_dual, _unpack_dual = torch._VF._make_dual, torch._VF._unpack_dual
+_set_grad_enabled = torch._C._set_grad_enabled
 _new_zeros_with_same_feature_meta = torch.ops.aten._new_zeros_with_same_feature_meta.default
 fwAD._maybe_load_decompositions()
 
