@@ -874,6 +874,36 @@ def test_cross_entropy_label_smoothing(reduction):
                                        reduction=reduction), x, t)
 
 
+@pytest.mark.parametrize("shape", [(B, 5), (B, 4, 5), (B, 4, 5, 2)], ids=["1-d", "2-d", "image"])
+@pytest.mark.parametrize("weight_in_dim", [None, 0])
+def test_weighted_label_smoothing_with_examples_ignoring_different_numbers_of_targets(
+        shape, weight_in_dim):
+    """PyTorch divides the mean by the weights of the targets kept, gathered with
+    masked_select, which has no batched form when examples keep different numbers: the
+    loss and its per-example gradients now match the loop, as torch.func's do. Before,
+    vmap(grad) raised; example 1 keeps no target at all (its mean is nan, as unbatched)."""
+    x = torch.randn(shape, dtype=torch.float64)
+    example = list(shape[1:])
+    del example[0 if len(example) == 1 else 1]  # the class dim
+    t = torch.randint(0, 5, (B, *example))
+    t[1] = -100
+    t[2].view(-1)[0] = -100
+    w = torch.rand(*(B,) * (weight_in_dim == 0), 5, dtype=torch.float64)
+
+    def loss(x, t, w):
+        return F.cross_entropy(x, t, weight=w, label_smoothing=0.1)
+
+    in_dims = (0, 0, weight_in_dim)
+    ws = w if weight_in_dim == 0 else w.expand(B, 5)
+    want = torch.stack([loss(x[i], t[i], ws[i]) for i in range(B)])
+    torch.testing.assert_close(vmap_without_slow_loop(loss, x, t, w, in_dims=in_dims), want,
+                               equal_nan=True)
+    grads = vmap_without_slow_loop(tl.grad(loss), x, t, w, in_dims=in_dims)
+    torch.testing.assert_close(grads, torch.stack([ft.grad(loss)(x[i], t[i], ws[i])
+                                                   for i in range(B)]))
+    torch.testing.assert_close(grads, ft.vmap(ft.grad(loss), in_dims=in_dims)(x, t, w))
+
+
 @pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
 @pytest.mark.parametrize("xb, tb", [(True, True), (True, False), (False, True)])
 def test_pointwise_losses(reduction, xb, tb):

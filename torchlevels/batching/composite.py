@@ -164,3 +164,35 @@ def vander(op, args, kwargs):
 
 intercept(aten.vander.default, vander)
 _ops.append(aten.vander.default)
+
+
+def cross_entropy_loss(op, args, kwargs):
+    """``F.cross_entropy`` with class weights and label smoothing, averaged over class
+    indices: PyTorch divides by the weights of the targets kept, which it gathers with
+    ``masked_select`` unless the weights are a tensor subclass. Under vmap the targets
+    are, and a batch whose examples ignore different numbers of them has no batched
+    ``masked_select``: this is PyTorch's formula along its subclass path (``masked_fill``
+    and ``gather``), on the tensors of whatever levels it gets, as torch.func computes it."""
+    names = ("self", "target", "weight", "reduction", "ignore_index", "label_smoothing")
+    given = {**dict(zip(names, args)), **kwargs}
+    x, target, weight = given["self"], given["target"], given.get("weight")
+    smoothing = given.get("label_smoothing", 0.0)
+    if (weight is None or not smoothing or given.get("reduction", 1) != 1
+            or target.is_floating_point() or x.dim() == 0 or weight.dim() != 1):
+        return passed_by(op, args, kwargs)  # no masked_select there, or torch's own errors
+    ignore_index = given.get("ignore_index", -100)
+    class_dim = 0 if x.dim() == 1 else 1
+    logp = torch.log_softmax(x, class_dim, dtype=x.dtype)
+    nll = torch.ops.aten.nll_loss_nd(logp, target, weight, 1, ignore_index)
+    n_classes = logp.shape[class_dim]
+    shape = [1] * logp.dim()
+    shape[class_dim] = n_classes
+    ignored = target == ignore_index
+    smooth = -(logp * weight.view(shape)).sum(class_dim).masked_fill(ignored, 0.0)
+    kept = target.masked_fill(ignored, 0)
+    weight_sum = weight.gather(0, kept.flatten()).view(kept.shape).masked_fill(ignored, 0).sum()
+    return (1 - smoothing) * nll + smooth.sum() / weight_sum * (smoothing / n_classes)
+
+
+intercept(aten.cross_entropy_loss.default, cross_entropy_loss)
+_ops.append(aten.cross_entropy_loss.default)
