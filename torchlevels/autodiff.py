@@ -669,10 +669,11 @@ def _product(term: Callable | None = None, strong_zero: bool = False) -> Callabl
     (the op itself by default) with ``t`` for operand ``k``, plus ``term`` with zeros for
     operand ``other``, whose tangent forward AD makes a ZeroTensor. A matrix product
     multiplies that out (inf * 0 is nan there, as in torch.func); mul's result is a
-    ZeroTensor itself (``strong_zero``), which adds nothing."""
+    ZeroTensor itself (``strong_zero``), which adds nothing, and so is div's by a
+    denominator without a tangent (its formula: ``(self_t - other_t * result) / other_p``)."""
     term = term or _same_op
 
-    def tangent(func, args: list, k: int, other: int, t: torch.Tensor, kwargs: dict
+    def tangent(func, args: list, k: int, other: int | None, t: torch.Tensor, kwargs: dict
                 ) -> torch.Tensor:
         if strong_zero:  # (mul's formula: other_t * self_p + self_t * other_p)
             return func(t, args[0]) if k == 1 else func(t, args[1])
@@ -702,7 +703,7 @@ def _scaled(product: Callable) -> Callable:
     return term
 
 
-def _convolution_tangent(func, args: list, k: int, other: int, t: torch.Tensor,
+def _convolution_tangent(func, args: list, k: int, other: int | None, t: torch.Tensor,
                          kwargs: dict) -> torch.Tensor:
     """PyTorch's ``convolution_jvp``: ``conv(x_t, w, None) + conv(x, w_t, bias_t)``, the
     missing tangents as zeros (a captured bias's is a ZeroTensor, multiplied out too)."""
@@ -719,6 +720,7 @@ def _convolution_tangent(func, args: list, k: int, other: int, t: torch.Tensor,
 # tangent given the primals and operand k's tangent).
 _PRODUCTS = {
     aten.mul.Tensor: ((0, 1), _product(strong_zero=True)),
+    aten.div.Tensor: ((0,), _product(strong_zero=True)),  # (the numerator's tangent only)
     aten.mm.default: ((0, 1), _product()),
     aten.bmm.default: ((0, 1), _product()),
     aten.mv.default: ((0, 1), _product()),
@@ -751,7 +753,7 @@ def _product_of_one_tangent(cls, func, args: tuple, kwargs: dict) -> Any:
         _set_grad_enabled(enabled and recorded)
         try:
             out = func(*primals, **kwargs)
-            other = operands[0] if tangent_at == operands[1] else operands[1]
+            other = next((k for k in operands if k != tangent_at), None)
             tangent = tangent_of(func, primals, tangent_at, other, args[tangent_at]._tangent,
                                  kwargs)
         finally:
