@@ -559,6 +559,63 @@ def test_jvp_through_in_place_writes_to_views_of_a_fresh_tensor():
     assert_tree_close(tl.jacfwd(g)(x), tf.jacfwd(g)(x))
 
 
+def _writes_between_ops(x):
+    y = x.sin()
+    y.mul_(2)  # in place: a new primal, the tangent written into the old one
+    v = y[:2]
+    v.add_(x[:2].exp())  # through a view: the base's tangent too
+    z = y.cos() * v.sum()
+    z[1:].zero_()  # a constant part
+    w = z * 2
+    w.copy_(w.detach())  # no tangent at all from here
+    return y.exp() + z + w
+
+
+@pytest.mark.parametrize("where", ["jvp", "vmap(jvp)", "jacfwd", "jvp(jvp)", "jvp(grad)",
+                                   "jvp in the user's dual level"])
+def test_a_results_dual_is_reused_and_stays_right_through_writes(where, monkeypatch):
+    """A jvp level keeps the dual tensor an op gave and hands it to the next op on that
+    result, where making one anew checks its layout (two trips through each enclosing
+    vmap level): only the inputs are made duals. In-place writes, views, zeroed and
+    detached values give torch.func's tangents; in a dual level the user entered (which
+    the user may exit and enter anew, clearing every tangent), every dual is made anew."""
+    import torch.autograd.forward_ad as fwAD
+
+    import torchlevels.autodiff as autodiff
+
+    x, t = torch.randn(4, dtype=torch.float64), torch.randn(4, dtype=torch.float64)
+    xs, ts = torch.randn(3, 4, dtype=torch.float64), torch.randn(3, 4, dtype=torch.float64)
+
+    def chain(x):
+        return x.sin().cos().exp().tanh().sin()
+
+    def run(lib, f):
+        return {
+            "jvp": lambda: lib.jvp(f, (x,), (t,)),
+            "vmap(jvp)": lambda: lib.vmap(lambda x, t: lib.jvp(f, (x,), (t,)))(xs, ts),
+            "jacfwd": lambda: lib.jacfwd(f)(x),
+            "jvp(jvp)": lambda: lib.jvp(lambda x: lib.jvp(f, (x,), (t,))[1], (x,), (t,)),
+            "jvp(grad)": lambda: lib.jvp(lib.grad(lambda x: f(x).sum()), (x,), (t,)),
+            "jvp in the user's dual level": lambda: lib.jvp(f, (x,), (t,)),
+        }[where]()
+
+    made = []
+    make_dual = autodiff._make_dual
+    monkeypatch.setattr(autodiff, "_make_dual",
+                        lambda *a, **k: made.append(1) or make_dual(*a, **k))
+    if where == "jvp in the user's dual level":  # (where torch.func's jvp refuses to run)
+        want = run(tf, chain), run(tf, _writes_between_ops)
+        with fwAD.dual_level():
+            assert_tree_close(run(tl, chain), want[0])
+            assert len(made) == 5  # its input, then each of the 4 results
+            assert_tree_close(run(tl, _writes_between_ops), want[1])
+        return
+    assert_tree_close(run(tl, chain), run(tf, chain))
+    if where in ("jvp", "vmap(jvp)", "jacfwd"):
+        assert len(made) == 1  # the input's dual only
+    assert_tree_close(run(tl, _writes_between_ops), run(tf, _writes_between_ops))
+
+
 @pytest.mark.parametrize("decomposition", ["cholesky", "eigh"])
 def test_hessian_is_reverse_over_reverse(decomposition):
     """torchlevels.hessian is jacrev(jacrev). Through a function of a symmetric matrix

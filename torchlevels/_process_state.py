@@ -67,6 +67,14 @@ cudnn_off = SwitchedOff(torch._C._get_cudnn_enabled, torch._C._set_cudnn_enabled
 _forward_ad = threading.RLock()
 _forward_ad_users = 0
 _entered_here = False  # whether the level in use was entered here (not by the user)
+_entries = 0  # how many levels were entered here: each entry is a new level
+
+
+def own_dual_level() -> int | None:
+    """An id of PyTorch's forward-AD level in use if it was entered here, and so lives
+    until the last jvp level using it exits (one the user entered, the user may exit and
+    enter anew, clearing every tangent); None otherwise."""
+    return _entries if _entered_here and _forward_ad_users else None
 
 
 @contextlib.contextmanager
@@ -80,12 +88,13 @@ def dual_level() -> Iterator[int]:
         ...     level == same >= 0
         True
     """
-    global _forward_ad_users, _entered_here
+    global _forward_ad_users, _entered_here, _entries
     with _forward_ad:
         if not _forward_ad_users:
             _entered_here = fwAD._current_level < 0
             if _entered_here:
                 fwAD.enter_dual_level()
+                _entries += 1
         _forward_ad_users += 1
         try:
             yield fwAD._current_level

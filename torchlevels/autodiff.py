@@ -54,7 +54,7 @@ from torchlevels._level import (
     wraps,
 )
 from torchlevels._process_state import dual_level as _dual_level
-from torchlevels._process_state import mha_fastpath_off
+from torchlevels._process_state import mha_fastpath_off, own_dual_level
 from torchlevels.batching import predispatch
 from torchlevels.batching.composite import call_recorded
 from torchlevels.batching.registry import (
@@ -965,6 +965,10 @@ def _to_dual(a: Any, cls, level: int, nested: bool = False) -> Any:
     if type(a) is cls:
         if _view_tangent(a) is None:
             return a._inner
+        dual = a.__dict__.get("_dual")  # (primal, tangent, dual, forward-AD level id)
+        if (dual is not None and not nested and dual[0] is a._inner
+                and dual[1] is a._tangent and dual[3] == own_dual_level() is not None):
+            return dual[2]
         return _make_dual(a._inner, a._tangent, level=level)
     if type(a) in (list, tuple):
         return type(a)(_to_dual(t, cls, level, nested) for t in a)
@@ -1195,7 +1199,13 @@ def _from_dual(cls, out: Any, level: int) -> Any:
             # a known zero (sgn's derivative) as no tangent: an in-place op writing a
             # tangent batched by an enclosing vmap into it makes one batched as that is
             tangent = None
-        return _wrap(cls, primal, tangent)  # every output is ours (as in GradLevel)
+        wrapped = _wrap(cls, primal, tangent)  # every output is ours (as in GradLevel)
+        level_id = own_dual_level()
+        if tangent is not None and level_id is not None:
+            # the dual itself, for the next op on this tensor: one made anew checks its
+            # layout, three more trips through each enclosing vmap level (see _to_dual)
+            wrapped._dual = (primal, tangent, out, level_id)
+        return wrapped
     if isinstance(out, (tuple, list)):
         return type(out)(_from_dual(cls, o, level) for o in out)
     return out
