@@ -685,6 +685,33 @@ def test_an_empty_batch_where_kernels_refuse_empty_inputs(name, transform):
     assert actual.shape == (0, *expected.shape) and actual.dtype == expected.dtype
 
 
+def test_an_empty_batch_again_reuses_one_examples_output_shapes(monkeypatch):
+    """Over no examples, each op's one-example output shapes come from its meta kernel
+    (often Python references, up to ~1 ms an op); a second call with the same shapes,
+    dtypes and other arguments reuses them, and any difference among those does not."""
+    from torchlevels.batching import registry
+
+    def f(x, y, dim):
+        return F.cross_entropy((TABLE.T.to(x.dtype) @ x).sum(-1)[None], y[None]) + x.sum(dim).mean()
+
+    calls = []
+    meta_key = registry._meta_call_key
+    monkeypatch.setattr(registry, "_meta_call_key",
+                        lambda *a: calls.append(a[0]) or meta_key(*a))
+    monkeypatch.setattr(registry, "_META_OUTPUTS", {})
+    y = torch.randint(0, 4, (0,))
+    for x, dim in [(torch.randn(0, 5, 2), 0), (torch.randn(0, 5, 2), 0),
+                   (torch.randn(0, 5, 3), 0), (torch.randn(0, 5, 2), 1),
+                   (torch.randn(0, 5, 2, dtype=torch.float64), 0)]:
+        out = vmap(f, in_dims=(0, 0, None))(x, y, dim)
+        one = f(torch.randn(x.shape[1:], dtype=x.dtype), torch.tensor(1), dim)
+        assert out.shape == (0, *one.shape) and out.dtype == one.dtype
+    computed = len(registry._META_OUTPUTS)
+    assert 0 < computed < len(calls)  # the second call computed nothing new
+    vmap(f, in_dims=(0, 0, None))(torch.randn(0, 5, 2), y, 0)
+    assert len(registry._META_OUTPUTS) == computed
+
+
 def test_an_empty_batch_through_the_slow_loop():
     """The loop runs no example: one example's output shape comes from a meta kernel, and
     without one the error says so (instead of failing to stack nothing)."""
