@@ -276,8 +276,8 @@ def inplace_resize(func, args, dims, kwargs):
     """To each example's own size it changes nothing, as eager's; another size would change
     the examples' sizes and strides in place, which a batched tensor cannot take."""
     x, size = args[:2]
-    if dims[0] is not None and list(size) == list(x.shape[:dims[0]] + x.shape[dims[0] + 1:]) \
-            and kwargs.get("memory_format") is None:
+    if dims[0] is not None and tuple(size) == logical_shape(x, dims[0]) and (
+            kwargs.get("memory_format") is None):
         return x, dims[0]
     raise RuntimeError(
         f"vmap: {func} sets the sizes and strides of a batched tensor in place, which cannot "
