@@ -164,7 +164,9 @@ def test_flop_counter_mode_around_a_transform_counts_what_it_counts_around_torch
     assert ours.get_total_flops() == theirs.get_total_flops() > 0
     with ours:  # the same mode, entered again with no transform: it counts as it did
         x @ _W
-    assert ours.get_total_flops() == 2 * 8 * 3 * 16 * 16
+    with FlopCounterMode(display=False) as fresh:
+        x @ _W
+    assert ours.get_total_flops() == fresh.get_total_flops() > 0
 
 
 def test_count_flops_lists_ops_with_no_formula_instead_of_counting_zero():
