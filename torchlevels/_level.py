@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_map_only
 
 # The class of the innermost live level, per thread and per context. Read only when a
 # new level class is made (to pick its parent) and by the random-factory hook.
@@ -133,6 +134,10 @@ class Level:
     # (``with vmap() as B``): what an escaped tensor's error suggests
     functional = False
 
+    # the tensors it took in when written with its values (see torchlevels.lifted), given
+    # back at its exit
+    lifted: list[torch.Tensor] | None = None
+
     def __init__(self) -> None:
         self.alive = True
         self.where = _user_frame()
@@ -202,7 +207,7 @@ class LevelTensor(torch.Tensor):
             raise EscapedTensorError(
                 f"{cls.__name__}(t): {cls._level.describe()} has exited, so it makes no more "
                 "tensors: wrap t inside its `with` block")
-        return cls._level.wrap(cls, tensor, *args, **kwargs)
+        return cls._level.wrap(cls, resolved(tensor), *args, **kwargs)
 
     @classmethod
     def unwrap(cls, tensor: Any, *args: Any, **kwargs: Any) -> Any:
@@ -273,6 +278,54 @@ class LevelTensor(torch.Tensor):
         if not level.alive:
             return f"<tensor escaped from {level.describe()}>"
         return f"{type(self).__name__}(level={level.describe()}, inner={self._inner!r})"
+
+
+class LiftedTensor(torch.Tensor):
+    """A plain tensor a grad or jvp level took in when it was written with the level's
+    values: each call on it runs on ``_level_tensor``, the level's tensor for its memory.
+    It answers calls in ``__torch_function__``, before the dispatcher, so its own
+    TensorImpl stays the plain one the user's code holds (and PyTorch's in-place ops
+    return); no ``__slots__``, so a plain tensor's object can become one and back.
+
+    Example::
+
+        >>> import torch
+        >>> import torchlevels
+        >>> def energy(x):
+        ...     agg = torch.zeros(2)  # a buffer made inside: plain, until written with x
+        ...     agg.index_add_(0, torch.tensor([0, 1, 0]), x ** 2)
+        ...     return agg.prod()
+        >>> torchlevels.grad(energy)(torch.tensor([1.0, 2.0, 3.0]))
+        tensor([ 8., 40., 24.])
+    """
+
+    _level_tensor: LevelTensor
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        resolved_args, resolved_kwargs = tree_map_only(
+            LiftedTensor, _level_tensor_of, (args, kwargs or {}))
+        attribute = getattr(func, "__self__", None)
+        if type(attribute) is _ATTRIBUTE:  # t.requires_grad: as the level's class answers
+            if func.__name__ == "__get__":
+                return getattr(resolved_args[0], attribute.__name__)
+            return setattr(resolved_args[0], attribute.__name__, resolved_args[1])
+        out = func(*resolved_args, **resolved_kwargs)
+        if args and type(args[0]) is LiftedTensor and out is resolved_args[0]:
+            return args[0]  # an in-place method returns the object it was called on
+        return out
+
+
+_ATTRIBUTE = type(torch._C.TensorBase.requires_grad)  # a C attribute of tensors
+
+
+def _level_tensor_of(t: LiftedTensor) -> LevelTensor:
+    return vars(t)["_level_tensor"]
+
+
+def resolved(t: Any) -> Any:
+    """``t``, or the level tensor it stands for if it is a :class:`LiftedTensor`."""
+    return _level_tensor_of(t) if type(t) is LiftedTensor else t
 
 
 class autograd_on:  # lower case: used like a function, `with autograd_on():`
@@ -663,7 +716,13 @@ class entered:  # lower case: used like the function it replaced, `with entered(
         return self.cls
 
     def __exit__(self, *exc: object) -> None:
-        self.cls._level.alive = False
+        level = self.cls._level
+        level.alive = False
+        if level.lifted:
+            from torchlevels.lifted import lower  # (it builds on this module)
+
+            lower(level.lifted)
+            level.lifted = None
         if _innermost.get() is self.cls:
             _innermost.reset(self.token)
         live = _innermost.get()

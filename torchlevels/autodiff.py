@@ -45,6 +45,7 @@ from torchlevels._level import (
     mark_level_graph,
     new_level_class,
     requires_grad_flag,
+    resolved,
     set_requires_grad_flag,
     through,
     tracked_outside,
@@ -67,6 +68,7 @@ from torchlevels.batching.registry import (
     writes_first_argument,
 )
 from torchlevels.batching.shortcuts import no_shortcuts
+from torchlevels.lifted import lift_written
 
 # A composite op that picks a kernel without a derivative when no argument requires grad,
 # which a grad level's wrappers never do (autograd runs on their inner tensors): the
@@ -132,20 +134,24 @@ def constant(cls, t: torch.Tensor) -> torch.Tensor:
     return wrap_inner(cls, t)
 
 
-class CapturedMutationError(RuntimeError):
-    """A value of a grad or jvp level written in place into a tensor not of that level."""
+def constant_throughout(cls, t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a constant of grad or jvp level ``cls`` and of each grad and jvp level
+    around it that it is not a tensor of already (outermost first, so that an outer
+    constant then enters an inner level)."""
+    for c in reversed(autodiff_classes(cls)):
+        if not isinstance(t, c):
+            t = constant(c, t)
+    return t
 
 
-def _raise_captured_inplace(func, kind: str) -> None:
-    raise CapturedMutationError(
-        f"During a {kind} transform, the function attempted to call the in-place operation "
-        f"{func} that would mutate a captured Tensor (one not derived from the transform's "
-        "inputs) with a value that depends on them. Mutating captured tensors is not "
-        "supported: use the out-of-place op, or pass the tensor in as an input. A buffer "
-        "made inside the function by a factory (torch.zeros(n)) counts as captured here, "
-        "unlike in torch.func: make it from an input instead (x.new_zeros(n), "
-        "torch.zeros_like(x))."
-    )
+def _memory_constant(cls, memory: torch.Tensor) -> torch.Tensor:
+    """A tensor level ``cls`` takes in (see lifted.py) as a constant of ``cls`` and of each
+    grad and jvp level around it. A plain one, which no graph has seen (the memory of a
+    buffer), joins the graph of the outermost level alone, if that is a grad level, until
+    a value autograd outside tracks is written into it (see mark_level_graph)."""
+    if type(memory) is torch.Tensor and isinstance(autodiff_classes(cls)[-1]._level, GradLevel):
+        mark_level_graph(memory)
+    return constant_throughout(cls, memory)
 
 
 class GradLevel(Level):
@@ -191,6 +197,7 @@ class GradLevel(Level):
 
     def unwrap(self, cls, tensor: Any) -> Any:
         """The tensor one level out, still carrying this level's graph."""
+        tensor = resolved(tensor)  # a plain tensor the level took in (see lifted.py)
         if type(tensor) is cls:
             return tensor._inner
         if wraps(tensor, cls):
@@ -242,7 +249,7 @@ class GradLevel(Level):
             return wrap_all(cls, out)
         inplace = writes_first_argument(func)
         if inplace and type(args[0]) is not cls:
-            _raise_captured_inplace(func, self.kind)
+            return lift_written(cls, func, args, kwargs, self.kind, _memory_constant)
         view = out_of_place_view(func) if inplace else None
         if view is not None and not _is_tracked_leaf(inner_args[0]):
             with autograd_on():
@@ -519,6 +526,7 @@ class JvpLevel(Level):
 
     def unwrap(self, cls, tensor: Any) -> tuple[Any, Any]:
         """(primal, tangent) one level out; a constant has a zero tangent."""
+        tensor = resolved(tensor)  # a plain tensor the level took in (see lifted.py)
         if type(tensor) is cls:
             tangent = tensor._tangent
             return tensor._inner, torch.zeros_like(tensor._inner) if tangent is None else tangent
@@ -533,7 +541,7 @@ class JvpLevel(Level):
     def dispatch(self, cls, func, args, kwargs):
         inplace = writes_first_argument(func)
         if inplace and type(args[0]) is not cls:
-            _raise_captured_inplace(func, self.kind)
+            return lift_written(cls, func, args, kwargs, self.kind, _memory_constant)
         view = out_of_place_view(func) if inplace else None
         if view is not None:
             return _jvp_inplace_view(cls, view, args, kwargs)

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from torchlevels._level import LevelTensor, innermost
 from torchlevels._process_state import cudnn_off, mkldnn_off
-from torchlevels.autodiff import autodiff_classes, constant
+from torchlevels.autodiff import autodiff_classes, constant_throughout
 from torchlevels.batching.predispatch import intercept, passed_by
 
 aten = torch.ops.aten
@@ -41,17 +41,13 @@ def _with_captured_lifted(op, args: tuple, kwargs: dict) -> Any:
     if cell is not None:  # out of place: no write to take into a level
         return cell(*args, **kwargs)
     live = innermost()
-    levels = autodiff_classes(live)
-    if levels:
-        levels.reverse()  # outermost first: an outer constant may then enter an inner level
+    if autodiff_classes(live):
 
         def lift(a: Any) -> Any:
             if isinstance(a, (list, tuple)):
                 return type(a)(map(lift, a))
             if isinstance(a, torch.Tensor):
-                for cls in levels:
-                    if not isinstance(a, cls):  # below this level
-                        a = constant(cls, a)
+                return constant_throughout(live, a)
             return a
 
         args = tuple(map(lift, args))

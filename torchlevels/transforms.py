@@ -30,7 +30,6 @@ from torchlevels._level import (
 )
 from torchlevels._torch_compile import eager
 from torchlevels.autodiff import (
-    CapturedMutationError,
     GradLevel,
     autodiff_classes,
     backward_pass,
@@ -43,6 +42,7 @@ from torchlevels.autodiff import (
 )
 from torchlevels.autograd_grad import own_grad
 from torchlevels.batching.registry import UnbatchedWriteError
+from torchlevels.lifted import CapturedMutationError
 from torchlevels.tools.partial_eval import partially_evaluated
 from torchlevels.vmap import BatchLevel, vmap
 

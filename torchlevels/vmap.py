@@ -32,6 +32,7 @@ from torchlevels._level import (
     preserved_dispatch_keys,
     refuse_functional,
     requires_grad_flag,
+    resolved,
     set_logical_meta,
     show_lazy_bits,
     through,
@@ -586,7 +587,8 @@ def _one_tensors_out_dims(out: Any, out_dims: Any) -> Any:
 def _vmap_call(func, flat_args, flat_dims, spec, kwargs, out_dims, randomness, size):
     with entered(new_batch_class(randomness, size)) as B, predispatch.hook():
         B._level.functional = True
-        batched = [a if d is None else wrap_batched(B, a, d) for a, d in zip(flat_args, flat_dims)]
+        batched = [a if d is None else wrap_batched(B, resolved(a), d)
+                   for a, d in zip(flat_args, flat_dims)]
         out = func(*(batched if spec is None else tree_unflatten(batched, spec)), **kwargs)
         out_dims = _one_tensors_out_dims(out, out_dims)
         if type(out) is B and type(out_dims) is int:  # one batched tensor: no pytree work

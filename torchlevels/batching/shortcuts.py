@@ -36,6 +36,7 @@ from torchlevels.batching.dims import pad_to_rank, per_example
 from torchlevels.batching.max_pool import max_pool
 from torchlevels.batching.predispatch import unintercepted
 from torchlevels.l1_loss_weight import l1_loss
+from torchlevels.lifted import WRITERS, writing
 
 _disabled = torch._C._disabled_torch_function_impl
 _no_subclass_torch_function = torch._C.DisableTorchFunctionSubclass
@@ -81,6 +82,12 @@ def no_shortcuts(cls, func, types, args=(), kwargs=None):
     for t in types:
         if t is not torch.Tensor and not issubclass(t, LevelTensor):
             return foreign_call(func, types, args, kwargs or _EMPTY)
+    if func in WRITERS:  # a grad or jvp level may take in the plain tensor it writes
+        return writing(_to_the_dispatcher, func, args, types, kwargs)
+    return _to_the_dispatcher(func, args, types, kwargs)
+
+
+def _to_the_dispatcher(func, args: tuple, types, kwargs) -> Any:
     if func is _GETITEM or func is _SETITEM:
         scalars = _level_scalars(args[1])
         if scalars:

@@ -1,0 +1,280 @@
+"""Plain tensors written in place with a grad or jvp level's values (torchlevels/lifted.py):
+a buffer made by a factory inside the function gives torch.func's results; a captured one
+gives eager PyTorch's; one other tensors read as plain is refused with a clear error."""
+
+import pytest
+import torch
+import torch.func as tf
+from torch import nn
+from vmap_reference import seeded
+
+import torchlevels as tl
+from torchlevels._level import LiftedTensor
+from torchlevels.lifted import CapturedMutationError
+
+X = torch.randn(6, 4, generator=seeded(11), dtype=torch.float64)
+T = torch.randn(6, 4, generator=seeded(12), dtype=torch.float64)
+SRC = torch.tensor([0, 1, 2, 3, 4, 5, 0, 2])
+DST = torch.tensor([1, 2, 3, 4, 5, 0, 3, 5])
+
+
+def message_passing(x):  # a GNN layer's aggregation, as the scientific-ML sweep wrote it
+    agg = torch.zeros(6, 4, dtype=x.dtype)
+    agg.index_add_(0, DST, x[SRC])
+    return (agg.tanh() * x).sum()
+
+
+def rows_written_in_a_loop(x):  # out[i] = ...: each write is into a view of out
+    out = torch.empty(6, 4, dtype=x.dtype)
+    for i in range(6):
+        out[i] = x[i] * x[(i + 1) % 6]
+    return (out.sin() * out).sum()
+
+
+def chained_factory_and_its_result(x):
+    buf = torch.zeros(6, dtype=x.dtype).scatter_add_(0, torch.tensor([0, 0, 2, 5]), x[0])
+    same = buf.mul_(x[1, :1])  # an in-place method gives back the object it was called on
+    assert same is buf
+    return (buf ** 3).sum() + buf.prod()
+
+
+def columns_and_masks(x):
+    buf = torch.zeros(4, 6, dtype=x.dtype)
+    buf[:, 1] = x[:4, 0]
+    buf[buf > 0] = 2 * x[4, 0]  # a mask read from the tensor once taken in
+    buf += x[:4, :].sum(1, keepdim=True)
+    return (buf.exp() * buf).sum()
+
+
+def a_view_of_a_factory(x):  # the buffer itself is a view of the factory's tensor
+    grid = torch.zeros(24, dtype=x.dtype).view(6, 4)
+    grid.copy_(x.cos())
+    grid[2:4].mul_(x[2:4])
+    return (grid * x).sum()
+
+
+PROGRAMS = [message_passing, rows_written_in_a_loop, chained_factory_and_its_result,
+            columns_and_masks, a_view_of_a_factory]
+
+
+def run(lib, api, f):
+    if api == "grad":
+        return lib.grad(f)(X)
+    if api == "vjp":
+        out, pull = lib.vjp(f, X)
+        return out, pull(torch.ones_like(out))
+    if api == "jvp":
+        return lib.jvp(f, (X,), (T,))
+    if api == "hessian":
+        return lib.hessian(f)(X)
+    if api == "jacrev(grad)":
+        return lib.jacrev(lib.grad(f))(X)
+    if api == "grad(jvp)":
+        return lib.grad(lambda x: lib.jvp(f, (x,), (T,))[1])(X)
+    raise AssertionError(api)
+
+
+@pytest.mark.parametrize("api", ["grad", "vjp", "jvp", "hessian", "jacrev(grad)",
+                                 "grad(jvp)"])
+@pytest.mark.parametrize("f", PROGRAMS, ids=lambda f: f.__name__)
+def test_a_buffer_made_inside_and_written_matches_torch_func(f, api):
+    actual, expected = run(tl, api, f), run(tf, api, f)
+    for a, e in zip(torch.utils._pytree.tree_leaves(actual),
+                    torch.utils._pytree.tree_leaves(expected)):
+        assert type(a) is torch.Tensor
+        torch.testing.assert_close(a, e)
+
+
+def test_a_batched_write_into_an_unbatched_buffer_raises_as_in_torch_func():
+    xs = X.expand(3, 6, 4)
+    with pytest.raises(RuntimeError, match="index_add_") as ours:
+        tl.vmap(tl.grad(message_passing))(xs)
+    with pytest.raises(RuntimeError, match="index_add_") as theirs:
+        tf.vmap(tf.grad(message_passing))(xs)
+    assert "vmapped over but `self` not being vmapped over" in str(ours.value)
+    assert "vmapped over but `self` not being vmapped over" in str(theirs.value)
+    # per-example buffers made from the input are batched, and the same program runs
+    def batched_buffer(x):
+        agg = x.new_zeros(6, 4)
+        agg.index_add_(0, DST, x[SRC])
+        return (agg.tanh() * x).sum()
+
+    torch.testing.assert_close(tl.vmap(tl.grad(batched_buffer))(xs),
+                               tf.vmap(tf.grad(batched_buffer))(xs))
+
+
+def test_the_buffer_is_plain_again_after_the_call_and_holds_what_was_written():
+    kept = []
+
+    def f(x):
+        agg = torch.zeros(6, 4, dtype=x.dtype)
+        agg.index_add_(0, DST, x[SRC])
+        assert type(agg) is LiftedTensor and agg.requires_grad  # as torch.func reports it
+        kept.append(agg)
+        return agg.sum()
+
+    tl.grad(f)(X)
+    (agg,) = kept
+    assert type(agg) is torch.Tensor and not agg.requires_grad
+    assert vars(agg) == {}
+    torch.testing.assert_close(agg, torch.zeros(6, 4, dtype=X.dtype).index_add_(0, DST, X[SRC]))
+    assert (agg + 1).sum() == agg.sum() + 24  # an everyday tensor again
+
+
+CAPTURED_WRITES = {
+    "add_": lambda c, v: c.add_(v),
+    "copy_": lambda c, v: c.copy_(v),
+    "mul_": lambda c, v: c.mul_(v),
+    "index_put_": lambda c, v: c.__setitem__(slice(0, 2), v[:2]),
+}
+
+
+@pytest.mark.parametrize("op", list(CAPTURED_WRITES))
+@pytest.mark.parametrize("api", ["grad", "jvp"])
+def test_a_captured_tensor_written_gives_eager_pytorchs_values(api, op):
+    # torch.func refuses this write; torchlevels runs it as eager PyTorch would: the
+    # derivative flows through the tensor's later reads, and it keeps the values written
+    def f(x, captured):
+        CAPTURED_WRITES[op](captured, x * 2)
+        return (captured * x).sum()
+
+    x = X[0].clone()
+    captured = torch.linspace(1, 2, 4, dtype=x.dtype)
+    eager_captured = captured.clone()
+    if api == "grad":
+        ours = tl.grad(lambda x: f(x, captured))(x)
+        leaf = x.clone().requires_grad_()
+        expected = torch.autograd.grad(f(leaf, eager_captured), leaf)[0]
+    else:
+        ours = tl.jvp(lambda x: f(x, captured), (x,), (T[0],))
+        with torch.autograd.forward_ad.dual_level():
+            out = f(torch.autograd.forward_ad.make_dual(x, T[0]), eager_captured)
+            expected = tuple(torch.autograd.forward_ad.unpack_dual(out))[:2]
+        eager_captured = torch.autograd.forward_ad.unpack_dual(eager_captured).primal
+    torch.testing.assert_close(ours, expected)
+    assert type(captured) is torch.Tensor and not captured.requires_grad
+    torch.testing.assert_close(captured, eager_captured.detach())
+
+
+def test_a_captured_tensor_keeps_the_history_autograd_outside_tracks():
+    # written inside grad with values autograd outside tracks: as in eager PyTorch, the
+    # tensor carries that history after the call
+    def f(x, buf):
+        buf.copy_(x * 2)
+        return (buf * x).sum()
+
+    x = X.clone().requires_grad_()
+    ours, eager = torch.zeros_like(X), torch.zeros_like(X)
+    tl.grad(f)(x, ours)
+    f(x, eager)
+    assert type(ours) is torch.Tensor and ours.requires_grad
+    torch.testing.assert_close(torch.autograd.grad((ours ** 2).sum(), x)[0],
+                               torch.autograd.grad((eager ** 2).sum(), x)[0])
+
+
+def test_a_tensor_other_tensors_share_is_refused():
+    def f(x):
+        agg = torch.zeros(6, 4, dtype=x.dtype)
+        rows = agg.unbind(0)  # plain views taken before the write would read it untracked
+        agg.index_add_(0, DST, x[SRC])
+        return (rows[1] * x[1]).sum()
+
+    with pytest.raises(CapturedMutationError, match="other tensors share its memory"):
+        tl.grad(f)(X)
+    with pytest.raises(CapturedMutationError, match="x.new_zeros"):
+        tl.jvp(f, (X,), (T,))
+
+
+def test_parameters_and_tensors_autograd_tracks_are_refused():
+    layer = nn.Linear(4, 4, dtype=X.dtype)
+    tracked = torch.zeros(4, dtype=X.dtype, requires_grad=True) * 1
+
+    def write_parameter(x):
+        with torch.no_grad():
+            layer.bias.copy_(x[0])
+        return layer(x).sum()
+
+    with pytest.raises(CapturedMutationError, match="it is a Parameter"):
+        tl.grad(write_parameter)(X)
+    with pytest.raises(RuntimeError):  # torch.func refuses it too
+        tf.grad(write_parameter)(X)
+    with pytest.raises(CapturedMutationError, match="requires grad"):
+        tl.grad(lambda x: tracked.add_(x[0]).sum())(X)
+    assert type(layer.bias) is nn.Parameter and type(tracked) is torch.Tensor
+
+
+def test_a_write_that_fails_leaves_the_tensor_plain():
+    captured = torch.zeros(6, 4, dtype=X.dtype)
+
+    def f(x):
+        captured.index_add_(0, DST, x[SRC])
+        raise ValueError("the user's own error")
+
+    with pytest.raises(ValueError, match="the user's own error"):
+        tl.grad(f)(X)
+    assert type(captured) is torch.Tensor
+    torch.testing.assert_close(captured, torch.zeros_like(captured).index_add_(0, DST, X[SRC]))
+
+
+def features_then_scaled(x, y):
+    # per-sample gradients with respect to x alone: v depends only on the data y, so under
+    # vmap it is a tensor of vmap's level, and the write makes it grad's
+    v = y.sin()
+    v.div_(x)
+    return (v * x).sum() + v.prod()
+
+
+@pytest.mark.parametrize("api", ["vmap(grad)", "vmap(jacfwd)", "vmap(hessian)"])
+def test_a_tensor_of_an_enclosing_vmap_written_inside_matches_torch_func(api):
+    xs, ys = X[:, :3] ** 2 + 1, T[:, :3]
+
+    def run(lib):
+        inner = {"vmap(grad)": lib.grad, "vmap(jacfwd)": lib.jacfwd,
+                 "vmap(hessian)": lib.hessian}[api]
+        return lib.vmap(inner(features_then_scaled))(xs, ys)
+
+    torch.testing.assert_close(run(tl), run(tf))
+
+
+def test_a_captured_tensor_of_an_enclosing_vmap_is_its_own_again_after_grad():
+    # torch.func refuses the write; here v takes it, and is vmap's tensor again after grad
+    def per_example(x, y):
+        v = y.sin()
+        g = tl.grad(lambda x: (v.mul_(x) * x).sum())(x)
+        return v + g
+
+    def eager(x, y):
+        x = x.clone().requires_grad_()
+        v = y.sin()
+        v.mul_(x)
+        return v.detach() + torch.autograd.grad((v * x).sum(), x)[0]
+
+    xs, ys = X[:, :3], T[:, :3]
+    torch.testing.assert_close(tl.vmap(per_example)(xs, ys),
+                               torch.stack([eager(x, y) for x, y in zip(xs, ys)]))
+
+
+def test_a_tensor_of_an_enclosing_vmap_whose_memory_is_a_view_is_refused():
+    def f(x, y):
+        v = y.sin()
+        head = v[:2]  # a view of v's memory: v would read the write untracked
+        head.mul_(x[:2])
+        return (v * x).sum()
+
+    with pytest.raises(CapturedMutationError, match="view of another tensor's"):
+        tl.vmap(tl.grad(f))(X[:, :3], T[:, :3])
+
+
+def test_nothing_of_the_level_outlives_the_call():
+    import gc
+    import weakref
+
+    levels = []
+
+    def f(x):
+        levels.append(weakref.ref(type(x)))
+        return message_passing(x)
+
+    kept = [tl.grad(f)(X) for _ in range(3)]
+    gc.collect()
+    assert len(kept) == 3 and all(ref() is None for ref in levels)

@@ -1,0 +1,197 @@
+"""A plain tensor written in place with a grad or jvp level's values: taken into the level.
+
+torch.func makes every tensor created inside a transform one of its own, so a buffer a
+factory made inside ``grad`` can be written with tracked values: message passing's
+``agg = torch.zeros(n, f); agg.index_add_(0, dst, msg)``, or ``out[i] = f(x[i])``. Here a
+factory makes a plain tensor (no level sees an op without its tensors), so the level takes
+the buffer in at its first such write instead: the object the user holds becomes a
+:class:`LiftedTensor`, whose every call runs on a constant of the level that shares the
+buffer's memory and from then on is written like any tensor of the level. When the level
+exits, the object is a plain tensor again, holding the values written. It keeps its
+identity throughout, so ``y = buf.add_(v)`` and ``torch.zeros(n).index_add_(...)`` give it.
+
+A write into a view (``out[i] = v`` writes into ``out.select(0, i)``) takes in the view's
+base too, the view being the same view of the base's constant. A tensor whose memory other
+tensors share (``rows = agg.unbind(0)`` taken before the first write) is refused: those
+tensors would go on reading the buffer untracked, a wrong derivative with no error. So is
+a tensor PyTorch's C++ code made and writes (a backward formula's buffer): only the
+tensors the user's own call names (``buf`` in ``buf.index_add_(...)``, the tensor indexed
+in ``buf[i] = v``) are taken in, since C++ code goes on using the plain tensor it holds.
+
+torch.func refuses a write into a tensor made outside the function (a captured one); this
+takes it in as well, and it keeps the values written after the call, as in eager PyTorch.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from torchlevels._level import (
+    LevelTensor,
+    LiftedTensor,
+    resolved,
+    set_logical_meta,
+    tracked_outside,
+)
+
+_storage_use_count = torch._C._storage_Use_Count
+
+
+# The arguments of the in-place call from Python (a method such as ``buf.add_``, a
+# ``torch.*_`` function, ``buf[i] = v``, ``buf += v``) that is running, if any.
+_writing: contextvars.ContextVar[tuple] = contextvars.ContextVar(
+    "torchlevels_writing", default=())
+
+
+def _writers() -> frozenset:
+    methods = [getattr(torch.Tensor, name) for name in dir(torch.Tensor)
+               if name.endswith("_") and not name.startswith("_")]
+    functions = [getattr(torch, name) for name in dir(torch)
+                 if name.endswith("_") and not name.startswith("_")]
+    operators = [getattr(torch.Tensor, f"__i{name}__") for name in (
+        "add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "and", "or",
+        "xor", "lshift", "rshift") if hasattr(torch.Tensor, f"__i{name}__")]
+    return frozenset(f for f in (*methods, *functions, *operators, torch.Tensor.__setitem__)
+                     if callable(f))
+
+
+WRITERS = _writers()  # the Python calls that write their first argument in place
+
+
+def writing(call: Callable, func, args: tuple, *rest: Any) -> Any:
+    """``call(func, args, *rest)`` for in-place call ``func`` (one of :data:`WRITERS`)
+    from Python, noting ``args``: the tensors a level may take in if it writes them."""
+    token = _writing.set(args)
+    try:
+        return call(func, args, *rest)
+    finally:
+        _writing.reset(token)
+
+
+class CapturedMutationError(RuntimeError):
+    """A value of a grad or jvp level written in place into a tensor not of that level."""
+
+
+def lift_written(cls: type[LevelTensor], func, args: tuple, kwargs: dict, kind: str,
+                 constant) -> Any:
+    """Run in-place op ``func`` of grad or jvp level ``cls``, whose first argument is not
+    the level's, after taking that tensor into the level (``constant(cls, t)`` makes ``t``
+    a constant of that level and of each grad and jvp level around it); raise
+    :class:`CapturedMutationError` where it cannot be."""
+    written = args[0]
+    if type(written) is LiftedTensor:  # C++ code writing again into the tensor it holds
+        return func(resolved(written), *args[1:], **kwargs)
+    base = written._base if type(written) is torch.Tensor and written._is_view() else written
+    why = _refusal(cls, written, base)
+    if why:
+        raise CapturedMutationError(
+            f"During a {kind} transform, the function attempted to call the in-place "
+            f"operation {func} that would mutate a tensor not of the transform with a "
+            f"value that depends on its inputs, and {why}. Use the out-of-place op, or make "
+            "the tensor from an input (x.new_zeros(n), torch.zeros_like(x)) or pass it in "
+            "as an input.")
+    if isinstance(written, LevelTensor):  # of an enclosing level (a vmap's): it becomes ours
+        enclosing = type(written)
+        _become(written, constant(cls, enclosing._level.rewrap(enclosing, written)))
+        _note(cls, written)
+        return func(written, *args[1:], **kwargs)
+    level_base = _take_in(cls, base, constant(cls, base.detach()))
+    target = level_base if base is written else _take_in(
+        cls, written, written._view_func(level_base))
+    return func(target, *args[1:], **kwargs)
+
+
+def _refusal(cls: type[LevelTensor], written: Any, base: Any) -> str:
+    """Why ``written`` (with ``base``, the tensor it views or itself) cannot be taken into
+    level ``cls``, or '' if it can."""
+    if isinstance(written, LevelTensor) and issubclass(cls, type(written)):
+        base = written  # a tensor of an enclosing level: its memory is the plain one inside
+        while isinstance(base, LevelTensor):
+            base = base._inner
+        if type(base) is not torch.Tensor or base._is_view():
+            return (f"it is a {type(written).__name__} whose memory is a view of another "
+                    "tensor's, which would read it untracked")
+    elif type(written) is not torch.Tensor or type(base) is not torch.Tensor:
+        return (f"it is a {type(written).__name__}: only a plain torch.Tensor or a tensor "
+                "of an enclosing transform can be taken into the transform")
+    elif base.requires_grad:
+        return "it requires grad (autograd outside tracks it)"
+    if base.layout != torch.strided:
+        return f"it is a {base.layout} tensor"
+    named = _writing.get()
+    if not any(a is written or a is base for a in named):
+        return ("it is not a tensor the call names (PyTorch's own code made it, or wrote "
+                "it through a view made before the call)")
+    # the TensorImpls holding its storage: the base's, the view's, and the storage object
+    # made here to ask; any other is a view or alias whose reads would stay untracked
+    expected = 3 if type(written) is torch.Tensor and base is not written else 2
+    if _storage_use_count(base.untyped_storage()._cdata) > expected:
+        return ("other tensors share its memory (views of it, such as the rows of "
+                "unbind, taken before the first write): they would read it untracked")
+    return ""
+
+
+def _become(t: LevelTensor, other: LevelTensor) -> None:
+    """Make the object ``t``, a tensor of some level, the tensor ``other`` is: its class
+    (every level class has the same slots), the tensor it wraps and its attributes."""
+    t.__class__ = type(other)
+    for slot in ("_inner", "_bdim"):
+        if hasattr(other, slot):
+            setattr(t, slot, getattr(other, slot))
+        elif hasattr(t, slot):
+            delattr(t, slot)
+    vars(t).clear()
+    vars(t).update(vars(other))
+    if t.shape != other.shape or t.stride() != other.stride():
+        set_logical_meta(t, other.shape, other.stride(), other.storage_offset())
+
+
+def _note(cls: type[LevelTensor], t: torch.Tensor) -> None:
+    """Record that level ``cls`` took ``t`` in, to give it back at its exit."""
+    level = cls._level
+    if level.lifted is None:
+        level.lifted = []
+    level.lifted.append(t)
+
+
+def _take_in(cls: type[LevelTensor], plain: torch.Tensor, level_tensor: LevelTensor
+             ) -> LevelTensor:
+    """Make the object ``plain`` a :class:`LiftedTensor` standing for ``level_tensor``."""
+    plain.__class__ = LiftedTensor
+    vars(plain)["_level_tensor"] = level_tensor
+    _note(cls, plain)
+    return level_tensor
+
+
+def lower(lifted: list[LiftedTensor]) -> None:
+    """At a level's exit, each tensor it took in becomes what its level tensor holds one
+    level out: plain again (its values written), or taken into an enclosing level that
+    took the value in too (a write nested transforms both track)."""
+    for t in lifted:
+        if type(t) is not LiftedTensor:  # a tensor of an enclosing level it made its own
+            value = resolved(t._inner)
+            if isinstance(value, LevelTensor):
+                _become(t, value)
+            continue
+        level_tensor = vars(t).pop("_level_tensor")
+        value = resolved(level_tensor._inner)
+        if isinstance(value, LevelTensor):
+            _take_in(type(value), t, value)
+            continue
+        t.__class__ = torch.Tensor
+        tracked = tracked_outside(value)
+        if tracked or not _same_memory(t, value):
+            # autograd outside tracks what was written, or the level moved it: the object
+            # takes a new TensorImpl for the value (with its history), as
+            # torch.utils.swap_tensors does (the value itself may be a result of the call)
+            torch._C._swap_tensor_impl(t, value.view_as(value) if tracked else value.detach())
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.untyped_storage()._cdata == b.untyped_storage()._cdata
+            and a.storage_offset() == b.storage_offset() and a.shape == b.shape
+            and a.stride() == b.stride() and a.dtype == b.dtype)
