@@ -278,3 +278,46 @@ def test_nothing_of_the_level_outlives_the_call():
     kept = [tl.grad(f)(X) for _ in range(3)]
     gc.collect()
     assert len(kept) == 3 and all(ref() is None for ref in levels)
+
+
+def returns_the_buffer(x):
+    agg = torch.zeros(6, 4, dtype=x.dtype)
+    agg.index_add_(0, DST, x[SRC].sin())
+    return agg
+
+
+def a_scalar_buffer(x):
+    total = torch.zeros((), dtype=x.dtype)
+    total.add_(x.sum())
+    total.mul_(x[0, 0].exp())
+    return total
+
+
+@pytest.mark.parametrize("api", ["vjp", "jvp", "jacrev", "jacfwd", "vjp has_aux", "grad",
+                                 "grad has_aux", "hessian"])
+def test_the_buffer_itself_as_an_output_matches_torch_func(api):
+    def run(lib):
+        if api == "vjp":
+            out, pull = lib.vjp(returns_the_buffer, X)
+            return out, pull(T)
+        if api == "jvp":
+            return lib.jvp(returns_the_buffer, (X,), (T,))
+        if api == "jacrev":
+            return lib.jacrev(returns_the_buffer)(X)
+        if api == "jacfwd":
+            return lib.jacfwd(returns_the_buffer)(X)
+        if api == "vjp has_aux":
+            out, pull, aux = lib.vjp(lambda x: (x.sum(), returns_the_buffer(x)), X,
+                                     has_aux=True)
+            return out, pull(torch.ones(())), aux
+        if api == "grad":
+            return lib.grad(a_scalar_buffer)(X)
+        if api == "grad has_aux":
+            return lib.grad(lambda x: (a_scalar_buffer(x), returns_the_buffer(x)),
+                            has_aux=True)(X)
+        return lib.hessian(a_scalar_buffer)(X)
+
+    for a, e in zip(torch.utils._pytree.tree_leaves(run(tl)),
+                    torch.utils._pytree.tree_leaves(run(tf))):
+        assert type(a) is torch.Tensor
+        torch.testing.assert_close(a, e)

@@ -26,6 +26,7 @@ from torchlevels._level import (
     is_foreign,
     refuse_functional,
     requires_grad_flag,
+    resolved,
     untracked_pass,
 )
 from torchlevels._torch_compile import eager
@@ -157,6 +158,7 @@ def grad_and_value(func: Callable, argnums: int | tuple[int, ...] = 0,
             new_args = _replace_args(args, (new_diff,) if isinstance(argnums_, int)
                                      else new_diff, argnums_)
             out, aux = _split_aux("grad_and_value", func(*new_args, **kwargs), has_aux)
+            out = resolved(out)  # a buffer the level took in (see lifted.py): its tensor
             if not isinstance(out, torch.Tensor):
                 raise RuntimeError(
                     "grad_and_value(f)(*args): Expected f(*args) to return a Tensor, "
@@ -253,6 +255,7 @@ def vjp(func: Callable, *primals: Any, has_aux: bool = False, _api: str = "vjp")
         wrapped = [G(t) for t in flat]
         out, aux = _split_aux(_api, func(*tree_unflatten(wrapped, spec)), has_aux)
         flat_out, out_spec = tree_flatten(out)
+        flat_out = [resolved(o) for o in flat_out]  # buffers the level took in: its tensors
         _refuse_no_output(_api, flat_out)
         for o in flat_out:
             if not isinstance(o, torch.Tensor):
@@ -370,6 +373,7 @@ def jvp(func: Callable, primals: Any, tangents: Any, *, strict: bool = False,
         wrapped = [J(p, t) for p, t in zip(flat_p, flat_t)]
         out, aux = _split_aux(_api, func(*tree_unflatten(wrapped, spec_p)), has_aux)
         flat_out, out_spec = tree_flatten(out)
+        flat_out = [resolved(o) for o in flat_out]  # buffers the level took in: its tensors
         _refuse_no_output(_api, flat_out)
         pairs = []
         for o in flat_out:
