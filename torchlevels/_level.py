@@ -718,11 +718,6 @@ class entered:  # lower case: used like the function it replaced, `with entered(
     def __exit__(self, *exc: object) -> None:
         level = self.cls._level
         level.alive = False
-        if level.lifted:
-            from torchlevels.lifted import lower  # (it builds on this module)
-
-            lower(level.lifted)
-            level.lifted = None
         if _innermost.get() is self.cls:
             _innermost.reset(self.token)
         live = _innermost.get()
@@ -731,6 +726,11 @@ class entered:  # lower case: used like the function it replaced, `with entered(
             # generators): the innermost is the nearest live level around
             live = next((c for c in enclosing_classes(live) if c._level.alive), None)
             _innermost.set(live)
+        if level.lifted:
+            from torchlevels.lifted import lower  # (it builds on this module)
+
+            lifted, level.lifted = level.lifted, None
+            lower(lifted)
 
 
 @contextmanager
