@@ -53,8 +53,31 @@ def a_view_of_a_factory(x):  # the buffer itself is a view of the factory's tens
     return (grid * x).sum()
 
 
+def through_views_of_views(x):  # each first write goes through a temporary view of a view
+    a = torch.zeros(6, 4, dtype=x.dtype)
+    a[0][1] = x[0, 0] * x[1, 1]  # a[0] is a temporary; its __setitem__ writes a[0][1]
+    b = torch.zeros(4, 6, dtype=x.dtype)
+    b.T[2] = x[2] ** 2
+    g = torch.zeros(24, dtype=x.dtype).reshape(6, 4)  # the buffer is itself a view
+    g[:, 0] = x[:, 1].sin()
+    return (a * x).sum() + (b ** 2).sum() + (g * x).sum()
+
+
+def methods_the_level_answers(x):  # detach_, tolist, f-strings, as torch.func's tensors
+    buf = torch.zeros(6, dtype=x.dtype)
+    buf.copy_(x[:, 0] ** 2)
+    total = buf.sum() * 2
+    scale = torch.zeros((), dtype=x.dtype)
+    scale.add_(x.sum())
+    assert f"{scale:.3f}" == f"{x.detach().sum().item():.3f}"
+    assert buf.tolist() == (x[:, 0] ** 2).tolist()
+    buf.detach_()  # from here on the level does not track it
+    return total + (buf * x[:, 1]).sum() + scale * 2
+
+
 PROGRAMS = [message_passing, rows_written_in_a_loop, chained_factory_and_its_result,
-            columns_and_masks, a_view_of_a_factory]
+            columns_and_masks, a_view_of_a_factory, through_views_of_views,
+            methods_the_level_answers]
 
 
 def run(lib, api, f):
@@ -170,6 +193,38 @@ def test_a_captured_tensor_keeps_the_history_autograd_outside_tracks():
     assert type(ours) is torch.Tensor and ours.requires_grad
     torch.testing.assert_close(torch.autograd.grad((ours ** 2).sum(), x)[0],
                                torch.autograd.grad((eager ** 2).sum(), x)[0])
+
+
+def test_a_buffer_the_outer_grad_took_in_written_in_an_inner_grad_is_eagers():
+    # torch.func refuses the inner write (a captured tensor); torchlevels follows eager
+    def outer(x, grad):
+        b = torch.zeros(3, dtype=x.dtype)
+        b.copy_(x.exp())  # taken into the outer grad
+        inner = grad(lambda y: (b.mul_(y) * y).sum())(x)  # written with the inner's values
+        return (b * x).sum() + inner.sum()
+
+    x = X[0, :3].clone()
+    leaf = x.clone().requires_grad_()
+    expected = torch.autograd.grad(outer(leaf, lambda f: lambda y: _eager_grad(f, y)), leaf)[0]
+    torch.testing.assert_close(tl.grad(lambda x: outer(x, tl.grad))(x), expected)
+
+
+def _eager_grad(f, y):
+    """``torch.func.grad(f)(y)`` written with torch.autograd, for eager references."""
+    y = y.view_as(y)  # a non-leaf: f's in-place writes into captured tensors record on it
+    (g,) = torch.autograd.grad(f(y), y, create_graph=True)
+    return g
+
+
+def test_requires_grad_false_on_a_buffer_the_level_tracks_raises_as_eager():
+    def f(x):
+        buf = torch.zeros(6, dtype=x.dtype)
+        buf.copy_(x[:, 0])
+        buf.requires_grad_(False)
+        return buf.sum()
+
+    with pytest.raises(RuntimeError, match="requires_grad_"):
+        tl.grad(f)(X)
 
 
 def test_a_tensor_other_tensors_share_is_refused():

@@ -310,6 +310,10 @@ class LiftedTensor(torch.Tensor):
             if func.__name__ == "__get__":
                 return getattr(resolved_args[0], attribute.__name__)
             return setattr(resolved_args[0], attribute.__name__, resolved_args[1])
+        if args and type(args[0]) is LiftedTensor:  # a method: the level's class may have
+            name = getattr(func, "__name__", "")  # its own (tolist, detach_, __format__)
+            if getattr(torch.Tensor, name, None) is func:
+                func = getattr(type(resolved_args[0]), name)
         out = func(*resolved_args, **resolved_kwargs)
         if args and type(args[0]) is LiftedTensor and out is resolved_args[0]:
             return args[0]  # an in-place method returns the object it was called on

@@ -25,6 +25,7 @@ takes it in as well, and it keeps the values written after the call, as in eager
 from __future__ import annotations
 
 import contextvars
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -39,6 +40,9 @@ from torchlevels._level import (
 )
 
 _storage_use_count = torch._C._storage_Use_Count
+# set on the plain tensor a level's constant holds for a buffer it took in: weak
+# references to the plain tensors (the buffer, its views) that stand for that constant
+_ALIASES = "_torchlevels_aliases"
 
 
 # The arguments of the in-place call from Python (a method such as ``buf.add_``, a
@@ -85,8 +89,29 @@ def lift_written(cls: type[LevelTensor], func, args: tuple, kwargs: dict, kind: 
     written = args[0]
     if type(written) is LiftedTensor:  # C++ code writing again into the tensor it holds
         return func(resolved(written), *args[1:], **kwargs)
+    if isinstance(written, LevelTensor):  # of an enclosing level (a vmap's): it becomes ours
+        _refuse(func, kind, _level_tensor_refusal(written))
+        enclosing = type(written)
+        _become(written, constant(cls, enclosing._level.rewrap(enclosing, written)))
+        _note(cls, written)
+        return func(written, *args[1:], **kwargs)
     base = written._base if type(written) is torch.Tensor and written._is_view() else written
-    why = _refusal(cls, written, base)
+    views = _views_named(written, base)
+    _refuse(func, kind, _plain_refusal(written, base, views))
+    memory = base.detach()  # the level's own TensorImpl for the buffer's memory
+    level_base = _take_in(cls, base, constant(cls, memory))
+    aliases = [weakref.ref(base)]
+    target = level_base
+    for view in views:
+        level_view = _take_in(cls, view, view._view_func(level_base))
+        aliases.append(weakref.ref(view))
+        if view is written:
+            target = level_view
+    setattr(memory, _ALIASES, aliases)
+    return func(target, *args[1:], **kwargs)
+
+
+def _refuse(func, kind: str, why: str) -> None:
     if why:
         raise CapturedMutationError(
             f"During a {kind} transform, the function attempted to call the in-place "
@@ -94,42 +119,59 @@ def lift_written(cls: type[LevelTensor], func, args: tuple, kwargs: dict, kind: 
             f"value that depends on its inputs, and {why}. Use the out-of-place op, or make "
             "the tensor from an input (x.new_zeros(n), torch.zeros_like(x)) or pass it in "
             "as an input.")
-    if isinstance(written, LevelTensor):  # of an enclosing level (a vmap's): it becomes ours
-        enclosing = type(written)
-        _become(written, constant(cls, enclosing._level.rewrap(enclosing, written)))
-        _note(cls, written)
-        return func(written, *args[1:], **kwargs)
-    level_base = _take_in(cls, base, constant(cls, base.detach()))
-    target = level_base if base is written else _take_in(
-        cls, written, written._view_func(level_base))
-    return func(target, *args[1:], **kwargs)
 
 
-def _refusal(cls: type[LevelTensor], written: Any, base: Any) -> str:
-    """Why ``written`` (with ``base``, the tensor it views or itself) cannot be taken into
-    level ``cls``, or '' if it can."""
-    if isinstance(written, LevelTensor) and issubclass(cls, type(written)):
-        base = written  # a tensor of an enclosing level: its memory is the plain one inside
-        while isinstance(base, LevelTensor):
-            base = base._inner
-        if type(base) is not torch.Tensor or base._is_view():
-            return (f"it is a {type(written).__name__} whose memory is a view of another "
-                    "tensor's, which would read it untracked")
-    elif type(written) is not torch.Tensor or type(base) is not torch.Tensor:
+def _views_named(written: Any, base: Any) -> list[torch.Tensor]:
+    """The plain views of ``base`` to take in with it: ``written`` and those the call
+    names (``A[i]`` in ``A[i][j] = v``, ``g`` in ``g[:, 0] = v`` where ``g`` is a reshape of
+    a factory's tensor), each once."""
+    views: list[torch.Tensor] = []
+    for t in (written, *_writing.get()):
+        if (type(t) is torch.Tensor and t is not base and t._is_view() and t._base is base
+                and not any(t is v for v in views)):
+            views.append(t)
+    return views
+
+
+def _plain_refusal(written: Any, base: Any, views: list[torch.Tensor]) -> str:
+    """Why plain ``written`` (a view of ``base``, or ``base`` itself) cannot be taken into
+    a level with ``views``, or '' if it can."""
+    if type(written) is not torch.Tensor or type(base) is not torch.Tensor:
         return (f"it is a {type(written).__name__}: only a plain torch.Tensor or a tensor "
                 "of an enclosing transform can be taken into the transform")
-    elif base.requires_grad:
+    if base.requires_grad:
         return "it requires grad (autograd outside tracks it)"
     if base.layout != torch.strided:
         return f"it is a {base.layout} tensor"
-    named = _writing.get()
-    if not any(a is written or a is base for a in named):
-        return ("it is not a tensor the call names (PyTorch's own code made it, or wrote "
-                "it through a view made before the call)")
-    # the TensorImpls holding its storage: the base's, the view's, and the storage object
+    if not any(a is base or any(a is v for v in views) for a in _writing.get()):
+        return ("it is not a tensor the call names (PyTorch's own code made it, the call "
+                "went to torch.ops.aten directly, or it wrote through a view made before)")
+    # the TensorImpls holding its storage: the base's, the views', and the storage object
     # made here to ask; any other is a view or alias whose reads would stay untracked
-    expected = 3 if type(written) is torch.Tensor and base is not written else 2
-    if _storage_use_count(base.untyped_storage()._cdata) > expected:
+    return _shared_memory_refusal(base, 2 + len(views))
+
+
+def _level_tensor_refusal(written: LevelTensor) -> str:
+    """Why ``written``, a tensor of a level around the writing one, cannot become one of
+    that level, or '' if it can."""
+    memory = written
+    while isinstance(memory, LevelTensor):
+        memory = memory._inner
+    if type(memory) is not torch.Tensor or memory._is_view():
+        return (f"it is a {type(written).__name__} whose memory is a view of another "
+                "tensor's, which would read it untracked")
+    if memory.layout != torch.strided:
+        return f"it is a {memory.layout} tensor"
+    if not any(a is written or resolved(a) is written for a in _writing.get()):
+        return "it is not a tensor the call names (PyTorch's own code made it)"
+    # plain tensors an enclosing level took in hold the same memory, and read it only
+    # through that level's tensor
+    aliases = sum(type(ref()) is LiftedTensor for ref in getattr(memory, _ALIASES, ()))
+    return _shared_memory_refusal(memory, 2 + aliases)
+
+
+def _shared_memory_refusal(t: torch.Tensor, expected: int) -> str:
+    if _storage_use_count(t.untyped_storage()._cdata) > expected:
         return ("other tensors share its memory (views of it, such as the rows of "
                 "unbind, taken before the first write): they would read it untracked")
     return ""
