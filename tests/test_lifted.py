@@ -75,9 +75,28 @@ def methods_the_level_answers(x):  # detach_, tolist, f-strings, as torch.func's
     return total + (buf * x[:, 1]).sum() + scale * 2
 
 
+def pair_forces(x):  # molecular dynamics: each atom's force accumulated pair by pair
+    forces = torch.zeros(6, 4, dtype=x.dtype)
+    for i, j in ((0, 1), (1, 2), (2, 5), (3, 4), (0, 4)):
+        r = x[i] - x[j]
+        f = r / ((r * r).sum() + 0.5) ** 2
+        forces[i] += f
+        forces[j] -= f
+    return (forces ** 2).sum()
+
+
+def hidden_states_stored(x):  # a recurrent loop keeping each state in a tensor made for it
+    states = torch.empty(6, 4, dtype=x.dtype)
+    h = torch.zeros(4, dtype=x.dtype)
+    for t in range(6):
+        h = torch.tanh(x[t] + 0.5 * h.roll(1))
+        states[t] = h
+    return (states.T @ torch.arange(6.0, dtype=x.dtype)).sum()
+
+
 PROGRAMS = [message_passing, rows_written_in_a_loop, chained_factory_and_its_result,
             columns_and_masks, a_view_of_a_factory, through_views_of_views,
-            methods_the_level_answers]
+            methods_the_level_answers, pair_forces, hidden_states_stored]
 
 
 def run(lib, api, f):
