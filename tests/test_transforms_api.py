@@ -632,6 +632,12 @@ def test_hessian_is_reverse_over_reverse(decomposition):
     raw = lambda a: (op(a) * w).sum()  # noqa: E731
     assert_tree_close(tl.hessian(symmetrized)(a), tf.hessian(symmetrized)(a))
     assert_tree_close(tl.hessian(raw)(a), tf.jacrev(tf.jacrev(raw))(a))
+    # what the docstring says to write for torch.func's numbers there
+    assert_tree_close(tl.jacfwd(tl.jacrev(raw))(a), tf.hessian(raw)(a))
+    # both orders agree on symmetric directions
+    e1, e2 = b + b.T, w + w.T
+    along = lambda h: torch.einsum("ij,ijkl,kl->", e1, h, e2)  # noqa: E731
+    torch.testing.assert_close(along(tl.hessian(raw)(a)), along(tf.hessian(raw)(a)))
 
 
 @pytest.mark.parametrize("opinfo", ["linalg.norm.subgradients_at_zero", "masked.logaddexp"])

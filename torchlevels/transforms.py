@@ -621,11 +621,16 @@ def hessian(func: Callable, argnums: int | tuple[int, ...] = 0) -> Callable:
     Computed as ``jacrev(jacrev(func, argnums), argnums)``: the same blocks as torch.func's
     ``jacfwd(jacrev(...))`` (block ``[i][j]`` in input ``i``'s dtype, as there), and about
     twice as fast here, where a reverse level costs less per op than a forward level (each
-    forward op makes and unpacks dual tensors). Where ``func`` is not twice differentiable
-    the two orders can differ: at 0, PyTorch's formulas give the Hessian of
-    ``torch.linalg.vector_norm`` as NaN in reverse-over-reverse (as
-    ``torch.autograd.functional.hessian`` does) and 0 in forward-over-reverse; write
-    ``jacfwd(jacrev(func))`` for torch.func's answer there.
+    forward op makes and unpacks dual tensors). The two orders use different formulas of
+    PyTorch's, and can differ in two kinds of place. Where ``func`` is not twice
+    differentiable: at 0, the Hessian of ``torch.linalg.vector_norm`` is NaN in
+    reverse-over-reverse (as ``torch.autograd.functional.hessian`` gives it) and 0 in
+    forward-over-reverse. And where a formula assumes structure of its input:
+    ``eigh``, ``eigvalsh`` and ``cholesky`` read one triangle of a matrix taken to be
+    symmetric, and their derivatives are symmetric matrices, so Hessians through them
+    agree on symmetric directions (``E1 : H : E2`` with symmetric ``E1``, ``E2``) but not
+    on others (torch.func's is then not even symmetric). Write ``jacfwd(jacrev(func))``
+    for torch.func's numbers in such places.
 
     Example::
 
