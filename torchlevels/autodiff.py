@@ -68,6 +68,7 @@ from torchlevels.batching.registry import (
     writes_first_argument,
 )
 from torchlevels.batching.shortcuts import no_shortcuts
+from torchlevels.jvp_over_vmap import pointwise_on_batches
 from torchlevels.lifted import lift_written
 
 # A composite op that picks a kernel without a derivative when no argument requires grad,
@@ -577,6 +578,10 @@ class JvpLevel(Level):
     def _on_duals(self, cls, func, args, kwargs, inplace: bool, level: int):
         """``func`` run on forward AD's dual tensors of ``args``."""
         nested = self.hosts_jvp
+        if not (nested or inplace):
+            pair = pointwise_on_batches(cls, func, args, kwargs, level)
+            if pair is not None:
+                return _wrap(cls, *pair)
         if func in _PRODUCTS and not nested:
             out = _product_of_one_tangent(cls, func, args, kwargs)
             if out is not None:
