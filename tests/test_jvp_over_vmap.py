@@ -17,8 +17,12 @@ ROW = torch.randn(5, 4, generator=seeded(23), dtype=D)  # examples of fewer dims
 ROW_T = torch.randn(5, 4, generator=seeded(24), dtype=D)
 
 
+BIAS = torch.randn(4, generator=seeded(25), dtype=D)
+
+
 def pointwise(x, r):
     y = x.sin() * x + x.exp() / (1 + x * x)  # numbers where the op takes a number or not
+    y = (y + BIAS) * torch.maximum(BIAS, x) - x.detach() * y  # captured and constant tensors
     y = torch.atan2(y, r) + torch.maximum(x, r) - y.pow(3) + 2 ** x.clamp(-1, 1)
     return torch.where(y > 0, y, r.tanh()) * torch.lerp(x, r, 0.25)
 
@@ -50,7 +54,7 @@ def test_a_pointwise_op_crosses_the_vmap_level_once(monkeypatch):
                         lambda *a, **k: trips.append(a[2]) or dispatch(*a, **k))
 
     def chain(x):
-        return x.sin().cos().exp().tanh().sin() * x
+        return (x.sin().cos().exp().tanh().sin() * x + BIAS) * BIAS.exp()
 
     tl.vmap(lambda x, t: tl.jvp(chain, (x,), (t,)))(XS, TS)
     assert not trips  # each op ran on the physical duals, no trip through the vmap level

@@ -1,20 +1,22 @@
 """A pointwise op of a jvp level right inside a vmap level, run once on the physical duals.
 
-Under ``vmap(jvp(f))`` (``jacfwd``, and ``jacfwd(jacrev(f))``) the primal and the tangent of
-each of the jvp level's tensors are batched tensors of the vmap level around it. Run the
-usual way, one pointwise op makes its dual tensors, runs, and unpacks them through that
-vmap level: the op, each op of its forward-AD formula, and the dual's alias and layout
-checks each cross it, about seven trips through Python where the op itself is one.
+Under ``vmap(jvp(f))`` with a primal and a tangent per example, the primal and the tangent
+of each of the jvp level's tensors are batched tensors of the vmap level around it. Run
+the usual way, one pointwise op makes its dual tensors, runs, and unpacks them through
+that vmap level: the op, each op of its forward-AD formula, and the dual's alias and
+layout checks each cross it, about seven trips through Python where the op itself is one.
 
-For a pointwise op whose tensors are all batched at dim 0, each with its tangent, the
-result is the same op on the physical tensors: their duals are made, the op runs once
-with forward AD doing the formula in C++, and the primal and tangent come back as batched
-tensors at dim 0, as the vmap level's pointwise rule gives them (examples of fewer dims
+For a pointwise op whose tensors are batched at dim 0 (each with its tangent, or a
+constant of the jvp level) or not batched at all (a captured bias), the result is the
+same op on the physical tensors: their duals are made (a constant's tangent an explicit
+zero, as forward AD's ZeroTensor would cost a trip through Python references), the op
+runs once with forward AD doing its formula in C++, and the primal and tangent come back
+batched at dim 0, as the vmap level's pointwise rule gives them (examples of fewer dims
 get size-1 dims after the batch dim, so that they broadcast as they would unbatched).
-Anything else takes the usual way: a tensor without a tangent or a number where the op
-takes a tensor (forward AD would give it a ZeroTensor tangent, which the usual way
-avoids), a batch dim elsewhere, a tensor autograd outside tracks, 0-dim examples.
-"""
+Anything else takes the usual way: a number where the op takes a tensor (``x * 0.5``,
+which the usual way runs as the Scalar overload), a batch dim elsewhere, a tensor
+autograd outside tracks, 0-dim examples, a primal the vmap level does not batch
+(``jacfwd``'s, one for all its basis tangents)."""
 
 from __future__ import annotations
 
@@ -54,42 +56,76 @@ def pointwise_on_batches(cls: type[LevelTensor], func, args: tuple, kwargs: dict
     batch = cls.__base__
     if positions is None or kwargs or getattr(batch.__dict__.get("_level"), "kind", "") != "vmap":
         return None
-    primals, tangents = [], []
-    rank = low = 0  # the most and the fewest dims of the physical tensors
+    duals = []  # (physical primal, its tangent or None, whether batched at dim 0)
+    rank = low = 0  # the most and the fewest dims of the batched physical tensors
+    others = 0  # one more than the most dims of a tensor without a batch dim
     for i, a in enumerate(args):
-        if type(a) is cls:
+        if type(a) is cls and a._tangent is None:  # a constant of the jvp level
+            if "_view_of" in a.__dict__:  # (a view that may get its base's tangent)
+                return None
+            a = a._inner
+        if type(a) is cls:  # batched at the vmap level, with a tangent batched there
             p, t = a._inner, a._tangent
             if type(p) is not batch or type(t) is not batch or p._bdim or t._bdim:
                 return None
             p, t = p._inner, t._inner
-            if (type(p) is not torch.Tensor or type(t) is not torch.Tensor
-                    or requires_grad_flag(p) or requires_grad_flag(t) or p.shape != t.shape):
-                return None  # a level's tensors inside, or tracked by autograd outside
-            r = p.dim()
-            rank, low = max(rank, r), min(low, r) if low else r
-            primals.append(p)
-            tangents.append(t)
+            if not (_plain(p) and _plain(t)) or p.shape != t.shape:
+                return None
+        elif type(a) is batch:  # batched, with no tangent
+            p = a._inner
+            if a._bdim or not _plain(p):
+                return None
+            t = _zero_tangent(p)
+        elif type(a) is torch.Tensor:  # batched by neither level (a captured bias)
+            if not _plain(a) or a._is_zerotensor():
+                return None
+            others = max(others, a.dim() + 1)
+            duals.append((a, _zero_tangent(a), False))
+            continue
         elif i in positions or not isinstance(a, _NUMBERS):
+            # a number where the op takes a tensor (x * 0.5): forward AD would give it a
+            # ZeroTensor tangent, which the usual way avoids; a list, None...
             return None
         else:
-            primals.append(a)
-            tangents.append(None)
-    if low < 2:  # no tensor of ours, or 0-dim examples (whose dtype promotes differently)
+            duals.append((a, None, False))
+            continue
+        r = p.dim()
+        rank, low = max(rank, r), min(low, r) if low else r
+        duals.append((p, t, True))
+    if low < 2 or others > rank:
+        # no batched tensor, 0-dim examples (whose dtype promotes differently), or a
+        # tensor of more dims than the examples: the vmap level's rule decides
         return None
     with autograd_on():  # (forward AD runs at autograd's keys)
-        duals = [p if t is None else
-                 _make_dual(pad_to_rank(p, rank - 1), pad_to_rank(t, rank - 1), level=level)
-                 for p, t in zip(primals, tangents)]
+        args = []
+        for p, t, batched in duals:
+            if batched:  # examples of fewer dims broadcast as they would unbatched
+                p = pad_to_rank(p, rank - 1)
+                t = None if t is None else pad_to_rank(t, rank - 1)
+            args.append(p if t is None else _make_dual(p, t, level=level))
         enabled = torch.is_grad_enabled()
         _set_grad_enabled(False)  # forward AD alone
         try:
-            out = func._op(*duals)
+            out = func._op(*args)
         finally:
             _set_grad_enabled(enabled)
         primal, tangent = _unpack_dual(out, level)
     if tangent is None or tangent._is_zerotensor():
         return None  # (a known zero, sgn's derivative: the usual way makes it no tangent)
     return _batched(batch, primal), _batched(batch, tangent)
+
+
+def _zero_tangent(t: torch.Tensor) -> torch.Tensor | None:
+    """An explicit zero tangent for constant ``t``, if it can have one (a mask cannot)."""
+    if t.is_floating_point() or t.is_complex():
+        return t.new_zeros(()).expand(t.shape)
+    return None
+
+
+def _plain(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a plain tensor no autograd outside tracks, with no lazy bits."""
+    return (type(t) is torch.Tensor and not requires_grad_flag(t) and not t.is_conj()
+            and not t.is_neg())
 
 
 def _batched(batch: type[LevelTensor], physical: torch.Tensor) -> LevelTensor:
