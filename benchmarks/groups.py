@@ -623,12 +623,13 @@ def forward_group() -> list[Benchmark]:
             dual = forward_ad.make_dual(xs[:, None, :].expand(n, d, d).contiguous(), eye)
             return forward_ad.unpack_dual(mlp(dual)).tangent.transpose(1, 2)
 
-    def chain_jvp():
+    def chain_jvp(x, t):
         with forward_ad.dual_level():
-            out = pointwise_chain(forward_ad.make_dual(x_chain, t), y, length=60)
-            return forward_ad.unpack_dual(out)
+            out = pointwise_chain(forward_ad.make_dual(x, t), y, length=60)
+            return tuple(forward_ad.unpack_dual(out))
 
     x_chain = torch.randn(8, 16)
+    xs_chain, ts_chain = torch.randn(16, 8, 16), torch.randn(16, 8, 16)
     return [
         _autodiff("jacfwd, MLP 16-64-8 (tanh), one example", lambda lib: lib.jacfwd(mlp),
                   (x,), {PLAIN: lambda: jacobians(x[None])[0]}, target=None),
@@ -638,7 +639,12 @@ def forward_group() -> list[Benchmark]:
         _autodiff("jvp, pointwise chain, 60 ops, (8, 16)",
                   lambda lib: lambda x, t: lib.jvp(
                       lambda x: pointwise_chain(x, y, length=60), (x,), (t,)),
-                  (x_chain, t), {PLAIN: lambda: tuple(chain_jvp())}, target=None),
+                  (x_chain, t), {PLAIN: lambda: chain_jvp(x_chain, t)}, target=None),
+        _autodiff("vmap(jvp), pointwise chain, 60 ops, 16 examples of (8, 16)",
+                  lambda lib: lib.vmap(lambda x, t: lib.jvp(
+                      lambda x: pointwise_chain(x, y, length=60), (x,), (t,))),
+                  (xs_chain, ts_chain), {PLAIN: lambda: chain_jvp(xs_chain, ts_chain)},
+                  target=None),
     ]
 
 
@@ -969,15 +975,18 @@ GROUPS: dict[str, Group] = {
         "Forward mode",
         "`jacfwd` of a small MLP (linear 16->64, tanh, scaled and shifted by numbers, "
         "linear 64->8, tanh) for one example and under `vmap` for 64, and `jvp` of the "
-        "60-op pointwise chain of the grad overhead group. The weights, biases and the "
+        "60-op pointwise chain of the grad overhead group, alone and under `vmap` for 16 "
+        "examples, each with its own tangent (where the jvp level runs a pointwise op "
+        "once on the physical duals, torchlevels/jvp_over_vmap.py). The weights, biases and the "
         "chain's second operand are captured, so they have no tangent: forward AD gives "
         "them a ZeroTensor one, whose arithmetic finds its result's shape through "
         "PyTorch's Python references (100-300 us an op). torchlevels' jvp level runs "
         "arithmetic with a number as its Scalar overload and a sum with a captured tensor "
         "with an explicit zero tangent (torchlevels/autodiff.py, `_without_zero_tangents`); "
         "a product with a captured tensor (the chain's `mul` and `maximum`) still takes "
-        "PyTorch's path. Reference: plain forward AD "
-        "(`torch.autograd.forward_ad`), the MLP's Jacobian columns as one batch of duals. "
+        "PyTorch's path, except on the physical duals, where it has an explicit zero "
+        "tangent too. Reference: plain forward AD (`torch.autograd.forward_ad`), the MLP's "
+        "Jacobian columns as one batch of duals, and the chain's examples as one dual. "
         "No target.",
         forward_group,
     ),
