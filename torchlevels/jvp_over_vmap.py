@@ -22,15 +22,10 @@ from __future__ import annotations
 
 import torch
 
-from torchlevels._level import (
-    LevelTensor,
-    autograd_on,
-    new_wrapper,
-    requires_grad_flag,
-    show_lazy_bits,
-)
+from torchlevels._level import LevelTensor, autograd_on, requires_grad_flag
 from torchlevels.batching.dims import pad_to_rank
 from torchlevels.batching.registry import per_op
+from torchlevels.vmap import BatchLevel, wrap_batched
 
 _make_dual, _unpack_dual = torch._VF._make_dual, torch._VF._unpack_dual
 _set_grad_enabled = torch._C._set_grad_enabled
@@ -54,7 +49,7 @@ def pointwise_on_batches(cls: type[LevelTensor], func, args: tuple, kwargs: dict
     pointwise ``func`` run on the physical duals; None to take the usual way."""
     positions = tensor_positions(func)
     batch = cls.__base__
-    if positions is None or kwargs or getattr(batch.__dict__.get("_level"), "kind", "") != "vmap":
+    if positions is None or kwargs or not isinstance(batch.__dict__.get("_level"), BatchLevel):
         return None
     duals = []  # (physical primal, its tangent or None, whether batched at dim 0)
     rank = low = 0  # the most and the fewest dims of the batched physical tensors
@@ -112,7 +107,7 @@ def pointwise_on_batches(cls: type[LevelTensor], func, args: tuple, kwargs: dict
         primal, tangent = _unpack_dual(out, level)
     if tangent is None or tangent._is_zerotensor():
         return None  # (a known zero, sgn's derivative: the usual way makes it no tangent)
-    return _batched(batch, primal), _batched(batch, tangent)
+    return wrap_batched(batch, primal, 0), wrap_batched(batch, tangent, 0)
 
 
 def _zero_tangent(t: torch.Tensor) -> torch.Tensor | None:
@@ -127,10 +122,3 @@ def _plain(t: torch.Tensor) -> bool:
     return (type(t) is torch.Tensor and not requires_grad_flag(t) and not t.is_conj()
             and not t.is_neg())
 
-
-def _batched(batch: type[LevelTensor], physical: torch.Tensor) -> LevelTensor:
-    out = new_wrapper(batch, physical, 0)
-    out._inner = physical
-    out._bdim = 0
-    show_lazy_bits(out, physical)
-    return out
