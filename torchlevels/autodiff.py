@@ -70,6 +70,12 @@ from torchlevels.batching.registry import (
 from torchlevels.batching.shortcuts import no_shortcuts
 from torchlevels.jvp_over_vmap import pointwise_on_batches
 from torchlevels.lifted import lift_written
+from torchlevels.zero_tangents import (
+    NUMBER_TYPES,
+    SCALAR_OVERLOADS,
+    WITHOUT_ZERO_TANGENTS,
+    ZERO_TANGENT_ARGUMENTS,
+)
 
 # A composite op that picks a kernel without a derivative when no argument requires grad,
 # which a grad level's wrappers never do (autograd runs on their inner tensors): the
@@ -589,7 +595,7 @@ class JvpLevel(Level):
         with autograd_on():
             dual_args = [_to_dual(a, cls, level, nested) for a in args]
             dual_kwargs = {k: _to_dual(v, cls, level, nested) for k, v in kwargs.items()}
-            if func in _WITHOUT_ZERO_TANGENTS and not nested:
+            if func in WITHOUT_ZERO_TANGENTS and not nested:
                 func = _without_zero_tangents(cls, func, args, dual_args, level)
             # (a view is made as autograd's view, which a later in-place op recorded needs)
             if inplace or returns_view(func) or _recorded_outside(cls, args, dual_args,
@@ -615,58 +621,19 @@ class JvpLevel(Level):
         return out
 
 
-# Forward AD gives an operand that has no tangent a ZeroTensor one, and PyTorch's ZeroTensor
-# arithmetic learns its result's shape by running the op on meta tensors through Python:
-# 100-400 us an op (x * 0.5, x + bias, a linear layer's or a norm's captured bias and
-# weight), where the op with tangents takes 5-60. For a number, the op's Scalar overload
-# has no second tangent (its formula is the same, less that term). A tensor whose tangent
-# the formula only adds or selects (a sum's operands, a bias, maximum's) gets an explicit
-# zero one, and so does a norm's weight where its tangent only multiplies the normalized
-# input of statistics computed here (not from running stats): where that is not finite,
-# so are the whole row's or group's outputs and tangents. No value changes.
 aten = torch.ops.aten
-_SCALAR_OVERLOADS = {
-    aten.mul.Tensor: aten.mul.Scalar, aten.mul_.Tensor: aten.mul_.Scalar,
-    aten.add.Tensor: aten.add.Scalar, aten.add_.Tensor: aten.add_.Scalar,
-    aten.sub.Tensor: aten.sub.Scalar, aten.sub_.Tensor: aten.sub_.Scalar,
-    aten.div.Tensor: aten.div.Scalar, aten.div_.Tensor: aten.div_.Scalar,
-    aten.div.Tensor_mode: aten.div.Scalar_mode, aten.div_.Tensor_mode: aten.div_.Scalar_mode,
-}
-
-
-def _batch_norm_zero_tangents(args: tuple) -> tuple[int, ...]:
-    """Batch norm's bias, and its weight in training (``training`` is argument 5)."""
-    return (1, 2) if len(args) > 5 and args[5] else (2,)
-
-
-_ZERO_TANGENT_ARGUMENTS = {  # op -> the positions of the arguments that may take one
-    aten.add.Tensor: (0, 1), aten.sub.Tensor: (0, 1), aten.rsub.Tensor: (0, 1),
-    aten.add_.Tensor: (1,), aten.sub_.Tensor: (1,),
-    # (their formulas pick or average the tangents: other_t + mask * (self_t - other_t))
-    aten.maximum.default: (0, 1), aten.minimum.default: (0, 1), aten.fmax.default: (0, 1),
-    aten.fmin.default: (0, 1), aten.addmm.default: (0,), aten.addmv.default: (0,),
-    aten.baddbmm.default: (0,), aten.addbmm.default: (0,), aten.addcmul.default: (0,),
-    aten.addcdiv.default: (0,), aten.convolution.default: (2,),
-    aten.native_layer_norm.default: (2, 3), aten.native_group_norm.default: (1, 2),
-    aten.native_batch_norm.default: _batch_norm_zero_tangents,
-    aten._native_batch_norm_legit.default: _batch_norm_zero_tangents,
-    aten._native_batch_norm_legit.no_stats: (1, 2),
-    aten._native_batch_norm_legit_no_training.default: (2,),
-}
-_WITHOUT_ZERO_TANGENTS = frozenset((*_SCALAR_OVERLOADS, *_ZERO_TANGENT_ARGUMENTS))
-_NUMBER_TYPES = (int, float, bool, complex)
 
 
 def _without_zero_tangents(cls, func, args: tuple, dual_args: list, level: int) -> Any:
     """``func``, or its Scalar overload, to run on ``dual_args``, where a tensor without a
     tangent may get an explicit zero one, so that forward AD makes no ZeroTensor for it
-    (see ``_ZERO_TANGENT_ARGUMENTS``)."""
+    (see ``ZERO_TANGENT_ARGUMENTS``)."""
     has = [type(a) is cls and _view_tangent(a) is not None for a in args]
     if not any(has):
         return func
-    if has[0] and len(args) > 1 and type(args[1]) in _NUMBER_TYPES:
-        return _SCALAR_OVERLOADS.get(func, func)
-    positions = _ZERO_TANGENT_ARGUMENTS.get(func, ())
+    if has[0] and len(args) > 1 and type(args[1]) in NUMBER_TYPES:
+        return SCALAR_OVERLOADS.get(func, func)
+    positions = ZERO_TANGENT_ARGUMENTS.get(func, ())
     for k in positions(args) if callable(positions) else positions:
         if k < len(args) and not has[k] and isinstance(args[k], torch.Tensor) and (
                 args[k].is_floating_point() or args[k].is_complex()) and (
