@@ -12,11 +12,18 @@ same op on the physical tensors: their duals are made (a constant's tangent an e
 zero, as forward AD's ZeroTensor would cost a trip through Python references), the op
 runs once with forward AD doing its formula in C++, and the primal and tangent come back
 batched at dim 0, as the vmap level's pointwise rule gives them (examples of fewer dims
-get size-1 dims after the batch dim, so that they broadcast as they would unbatched).
-Anything else takes the usual way: a number where the op takes a tensor (``x * 0.5``,
-which the usual way runs as the Scalar overload), a batch dim elsewhere, a tensor
-autograd outside tracks, 0-dim examples, a primal the vmap level does not batch
-(``jacfwd``'s, one for all its basis tangents)."""
+get size-1 dims after the batch dim, so that they broadcast as they would unbatched). A
+number where the op takes a tensor (``x * 0.5``) makes the op its Scalar overload, as the
+usual way does, whose formula needs no tangent for it.
+
+``jacfwd``'s primal is one for all its basis tangents: the vmap level does not batch it.
+Where the tangents have few elements, the op runs on one copy of the primal per tangent
+and keeps the first copy of the primal's result, still unbatched (Python control flow and
+``has_aux`` read it). Past that size the copies would cost more than the trips they save.
+
+Anything else takes the usual way: a batch dim elsewhere, a tensor autograd outside
+tracks, an expanded primal (make_dual refuses its shared memory), 0-dim examples, a
+primal batched by a vmap level further out (``vmap(jacfwd(f))``)."""
 
 from __future__ import annotations
 
@@ -26,10 +33,13 @@ from torchlevels._level import LevelTensor, autograd_on, requires_grad_flag
 from torchlevels.batching.dims import pad_to_rank
 from torchlevels.batching.registry import per_op
 from torchlevels.vmap import BatchLevel, wrap_batched
+from torchlevels.zero_tangents import SCALAR_OVERLOADS
 
 _make_dual, _unpack_dual = torch._VF._make_dual, torch._VF._unpack_dual
 _set_grad_enabled = torch._C._set_grad_enabled
 _NUMBERS = (int, float, bool)
+# the most elements of a tangent whose unbatched primal is run on one copy per example
+_EXPANDED_PRIMAL_LIMIT = 1 << 13
 
 
 @per_op
@@ -49,9 +59,11 @@ def pointwise_on_batches(cls: type[LevelTensor], func, args: tuple, kwargs: dict
     pointwise ``func`` run on the physical duals; None to take the usual way."""
     positions = tensor_positions(func)
     batch = cls.__base__
-    if positions is None or kwargs or not isinstance(batch.__dict__.get("_level"), BatchLevel):
-        return None
+    if positions is None or not isinstance(batch.__dict__.get("_level"), BatchLevel) or (
+            kwargs and any(isinstance(v, torch.Tensor) for v in kwargs.values())):
+        return None  # (keyword arguments such as alpha or rounding_mode go along as they are)
     duals = []  # (physical primal, its tangent or None, whether batched at dim 0)
+    primal_batched = False  # whether a primal is a tensor of the vmap level
     rank = low = 0  # the most and the fewest dims of the batched physical tensors
     others = 0  # one more than the most dims of a tensor without a batch dim
     for i, a in enumerate(args):
@@ -59,29 +71,45 @@ def pointwise_on_batches(cls: type[LevelTensor], func, args: tuple, kwargs: dict
             if "_view_of" in a.__dict__:  # (a view that may get its base's tangent)
                 return None
             a = a._inner
-        if type(a) is cls:  # batched at the vmap level, with a tangent batched there
+        if type(a) is cls:  # with a tangent batched at the vmap level
             p, t = a._inner, a._tangent
-            if type(p) is not batch or type(t) is not batch or p._bdim or t._bdim:
+            if type(t) is not batch or t._bdim:
                 return None
-            p, t = p._inner, t._inner
-            if not (_plain(p) and _plain(t)) or p.shape != t.shape:
+            t = t._inner
+            if type(p) is batch and not p._bdim:
+                p = p._inner
+                primal_batched = True
+                if not _primal(p):
+                    return None
+            elif type(p) is torch.Tensor and t.numel() <= _EXPANDED_PRIMAL_LIMIT:
+                # a primal the vmap level does not batch (jacfwd's): run on copies of it,
+                # one per example (few elements), and keep one of the primal's results
+                if p.shape != t.shape[1:] or not _primal(p):
+                    return None
+                p = p.expand(t.shape).contiguous()  # (a dual holds no overlapping memory)
+            else:
+                return None
+            if not _plain(t) or p.shape != t.shape:
                 return None
         elif type(a) is batch:  # batched, with no tangent
             p = a._inner
-            if a._bdim or not _plain(p):
+            if a._bdim or not _primal(p):
                 return None
+            primal_batched = True
             t = _zero_tangent(p)
         elif type(a) is torch.Tensor:  # batched by neither level (a captured bias)
-            if not _plain(a) or a._is_zerotensor():
+            if not _primal(a):
                 return None
             others = max(others, a.dim() + 1)
             duals.append((a, _zero_tangent(a), False))
             continue
-        elif i in positions or not isinstance(a, _NUMBERS):
-            # a number where the op takes a tensor (x * 0.5): forward AD would give it a
-            # ZeroTensor tangent, which the usual way avoids; a list, None...
+        elif type(a) not in _NUMBERS:  # a list, None...
             return None
         else:
+            if i in positions:  # a number where the op takes a tensor (x * 0.5)
+                if i != 1 or func not in SCALAR_OVERLOADS:
+                    return None  # (forward AD would give it a ZeroTensor tangent)
+                func = SCALAR_OVERLOADS[func]  # whose formula has no second tangent
             duals.append((a, None, False))
             continue
         r = p.dim()
@@ -101,13 +129,14 @@ def pointwise_on_batches(cls: type[LevelTensor], func, args: tuple, kwargs: dict
         enabled = torch.is_grad_enabled()
         _set_grad_enabled(False)  # forward AD alone
         try:
-            out = func._op(*args)
+            out = func._op(*args, **kwargs)
         finally:
             _set_grad_enabled(enabled)
         primal, tangent = _unpack_dual(out, level)
     if tangent is None or tangent._is_zerotensor():
         return None  # (a known zero, sgn's derivative: the usual way makes it no tangent)
-    return wrap_batched(batch, primal, 0), wrap_batched(batch, tangent, 0)
+    primal = wrap_batched(batch, primal, 0) if primal_batched else primal[0].clone()
+    return primal, wrap_batched(batch, tangent, 0)
 
 
 def _zero_tangent(t: torch.Tensor) -> torch.Tensor | None:
@@ -115,6 +144,12 @@ def _zero_tangent(t: torch.Tensor) -> torch.Tensor | None:
     if t.is_floating_point() or t.is_complex():
         return t.new_zeros(()).expand(t.shape)
     return None
+
+
+def _primal(t: torch.Tensor) -> bool:
+    """Whether ``t`` can be the primal of a dual tensor made here: plain, not a ZeroTensor,
+    and with no elements sharing memory (an expanded tensor, which make_dual refuses)."""
+    return _plain(t) and not t._is_zerotensor() and torch._debug_has_internal_overlap(t) == 0
 
 
 def _plain(t: torch.Tensor) -> bool:
