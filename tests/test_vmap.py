@@ -105,6 +105,9 @@ def test_bad_in_dims():
     same_error(torch.sin, torch.randn(3), in_dims=2, match="in_dim=2")
     same_error(torch.sin, torch.randn(3), in_dims=(0, 0), match="not compatible")
     same_error(torch.sin, torch.randn(3), in_dims=(None,), match="at least one Tensor")
+    with pytest.raises(ValueError, match=r"in_dims=\(None,\).*maps no input.*an int in_dim"):
+        vmap(torch.sin, in_dims=(None,))(torch.randn(3))
+    same_error(torch.sin, torch.randn(3), in_dims=None, match="expected `in_dims`.*NoneType")
     same_error(lambda x, n: x * n, torch.randn(3), 2, in_dims=(0, 0), match="non-Tensor")
     same_error(torch.sin, torch.randn(3), in_dims=[0], match="expected `in_dims`")
     same_error(lambda: torch.ones(1), match="got no inputs")

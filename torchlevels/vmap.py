@@ -490,7 +490,7 @@ def _flat_inputs(func, in_dims, args) -> tuple[list, list, Any, int]:
                 flat_dims = [None if d is None else d % a.dim() for a, d in zip(args, dims)]
                 return list(args), flat_dims, None, sizes.pop()
     name = _name(func)
-    if not isinstance(in_dims, (int, tuple)) and in_dims is not None:
+    if not isinstance(in_dims, (int, tuple)):
         raise ValueError(
             f"vmap({name}, in_dims={in_dims}, ...)(<inputs>): expected `in_dims` to be int or "
             f"a (potentially nested) tuple matching the structure of inputs, got: {type(in_dims)}."
@@ -540,7 +540,10 @@ def _flat_inputs(func, in_dims, args) -> tuple[list, list, Any, int]:
         flat_dims[i] = dim % arg.dim()
         sizes.append(arg.shape[flat_dims[i]])
     if not sizes:
-        raise ValueError("vmap: Expected at least one Tensor to vmap over")
+        raise ValueError(
+            f"vmap: Expected at least one Tensor to vmap over: vmap({name}, in_dims={in_dims}, "
+            "...)(<inputs>) maps no input over a dim. Give the tensors to map over an int "
+            "in_dim (None leaves an input unbatched).")
     if any(s != sizes[0] for s in sizes):
         raise ValueError(
             "vmap: Expected all tensors to have the same size in the mapped dimension, "
