@@ -642,6 +642,19 @@ def test_hessian_is_reverse_over_reverse(decomposition):
     torch.testing.assert_close(along(tl.hessian(raw)(a)), along(tf.hessian(raw)(a)))
 
 
+def test_hessian_through_no_grad_is_reverse_over_reverse():
+    """A no_grad block is constant to both reverse passes, as in autograd's own Hessian;
+    torch.func's forward pass goes through it. jacfwd(jacrev) gives torch.func's."""
+    def f(x):
+        with torch.no_grad():
+            scale = x.exp()
+        return (scale * x.exp() * x).sum()
+
+    x = torch.randn(3, dtype=torch.float64)
+    assert_tree_close(tl.hessian(f)(x), torch.autograd.functional.hessian(f, x))
+    assert_tree_close(tl.jacfwd(tl.jacrev(f))(x), tf.hessian(f)(x))
+
+
 @pytest.mark.parametrize("opinfo", ["linalg.norm.subgradients_at_zero", "masked.logaddexp"])
 def test_hessian_at_non_differentiable_points_is_reverse_over_reverse(opinfo):
     """At a point that is not twice differentiable (a norm at zero; logaddexp where a
@@ -900,6 +913,26 @@ def test_tensor_hooks_inside_transforms_run_as_in_torch_func(composition):
     """Each grad level runs the hooks of its own tensors in its own backward pass (before,
     torchlevels ignored them: a silently different gradient)."""
     assert_tree_close(HOOKED[composition](tl), HOOKED[composition](tf))
+
+
+def test_a_hook_runs_in_its_levels_pass_only_not_in_autograds_outside():
+    """The hook's tensor is in the history autograd outside keeps too (through ``w``, or
+    ``x`` requiring grad): differentiating the gradient there must not run it again."""
+    w = torch.randn(3, requires_grad=True)
+
+    def f(x, w):
+        y = x * w
+        y.register_hook(lambda g: g * 2)
+        return (y * y).sum()
+
+    def run(lib):
+        through_w = torch.autograd.grad(lib.grad(f)(X, w).sum(), w)
+        per_example = torch.autograd.grad(lib.vmap(lib.grad(f), in_dims=(0, None))(M, w).sum(), w)
+        x = X.clone().requires_grad_()
+        through_x = torch.autograd.grad(lib.grad(_hooked)(x).sum(), x)
+        return through_w, per_example, through_x
+
+    assert_tree_close(run(tl), run(tf))
 
 
 def test_a_removed_hook_does_not_run():
@@ -2035,3 +2068,44 @@ def test_misuse_raises_as_torch_func_does(name):
         _MISUSES[name](torch.func, x)
     with pytest.raises(type(theirs.value)):
         _MISUSES[name](torchlevels, x)
+
+
+@pytest.mark.parametrize("op", ["mul_", "div_", "addcmul_", "atan2_", "add_"])
+def test_jvp_of_an_in_place_op_that_reads_a_detached_alias_of_what_it_writes(op):
+    """``y.mul_(y.detach())``: forward AD's formula reads the detached argument after the
+    write (torch.func's tangent is wrong there); the level reads it before, as the op does,
+    which gives the tangent of the same program with the argument cloned."""
+    write = {"mul_": lambda y, o: y.mul_(o), "div_": lambda y, o: y.div_(o),
+             "addcmul_": lambda y, o: y.addcmul_(y, o, value=0.3),
+             "atan2_": lambda y, o: y.atan2_(o), "add_": lambda y, o: y.add_(o, alpha=2)}[op]
+
+    def f(x, clone):
+        y = x * 1.5
+        write(y, y.detach().clone() if clone else y.detach())
+        return y
+
+    x, t = torch.randn(3, dtype=torch.float64), torch.randn(3, dtype=torch.float64)
+    xs, ts = torch.randn(4, 3, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
+    for run in (lambda lib, g: lib.jvp(g, (x,), (t,)),
+                lambda lib, g: lib.vmap(lambda x, t: lib.jvp(g, (x,), (t,)))(xs, ts),
+                lambda lib, g: lib.jacfwd(g)(x)):
+        assert_tree_close(run(tl, lambda x: f(x, False)), run(tf, lambda x: f(x, True)))
+
+
+@pytest.mark.parametrize("transform", ["grad", "vmap", "jvp", "vmap(grad)"])
+def test_backward_inside_a_transform_raises_as_in_torch_func(transform):
+    """Under vmap, the .grad it would leave on a captured leaf held a tensor of the level,
+    which outlives it (any later use raised); under jvp its error named no transform."""
+    w = torch.randn(3, requires_grad=True)
+
+    def f(x):
+        (w * x).sum().backward()
+        return x * 2
+
+    run = {"grad": lambda lib: lib.grad(lambda x: f(x).sum())(X),
+           "vmap": lambda lib: lib.vmap(f)(M),
+           "jvp": lambda lib: lib.jvp(f, (X,), (Y,)),
+           "vmap(grad)": lambda lib: lib.vmap(lib.grad(lambda x: f(x).sum()))(M)}[transform]
+    error = assert_same_error(run, match="backward() was called on a tensor of")
+    assert "call backward() on the transform's result" in str(error)
+    assert w.grad is None

@@ -91,6 +91,14 @@ def through(tensor: torch.Tensor, fn: Any) -> torch.Tensor:
         _through_fn.reset(token)
 
 
+def memory_of(t: Any) -> Any:
+    """The plain tensor that ``t``, a tensor of some levels, holds its values in (``t``
+    itself if it is of none)."""
+    while isinstance(t, LevelTensor):
+        t = t._inner
+    return t
+
+
 def wraps(tensor: Any, cls: type[LevelTensor]) -> bool:
     """Whether ``tensor`` is a foreign subclass's that wraps a tensor of level ``cls``
     (its ops on that level's tensors ran inside it). A subclass that refuses ops it does
@@ -620,6 +628,17 @@ _TENSOR_ATTRIBUTES = {
     "is_leaf": torch._C.TensorBase.is_leaf,
     "requires_grad_": torch.Tensor.requires_grad_,
 }
+
+
+def refuse_backward(t: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+    """What ``t.backward()`` does for a tensor of a vmap, grad or jvp level: raise, as
+    torch.func does. The ``.grad`` it would leave on a leaf holds a tensor of the level
+    (one gradient per example under vmap), which outlives the level."""
+    raise RuntimeError(
+        f"backward() was called on a tensor of {type(t)._level.describe()}. Inside a "
+        "transform, differentiate with grad, vjp or jacrev (vmap(grad(f)) for one "
+        "gradient per example), or call backward() on the transform's result, outside it."
+    )
 
 
 def data_property(get: Any) -> property:

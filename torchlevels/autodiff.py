@@ -43,7 +43,9 @@ from torchlevels._level import (
     in_level_graph,
     innermost,
     mark_level_graph,
+    memory_of,
     new_level_class,
+    refuse_backward,
     requires_grad_flag,
     resolved,
     set_requires_grad_flag,
@@ -104,9 +106,7 @@ def without_level_graph(t: Any) -> Any:
     under a level's tensor marked as requiring grad for a level's graph alone."""
     if type(t) is torch.Tensor:
         return t.detach() if requires_grad_flag(t) else t
-    inner = t
-    while isinstance(inner, LevelTensor):
-        inner = inner._inner
+    inner = memory_of(t)
     if type(inner) is torch.Tensor and requires_grad_flag(inner) and not in_level_graph(inner):
         mark_level_graph(inner)
     return t
@@ -319,10 +319,27 @@ def _register_hook(t: torch.Tensor, hook: Any) -> Any:
     """``t.register_hook(hook)`` for a grad level's tensor: on the tensor it wraps, which
     carries the level's graph, so the level's backward pass calls ``hook`` with the
     gradient of ``t`` (a tensor of the levels around, as in torch.func)."""
+    if not isinstance(hook, _LevelHook):
+        hook = _LevelHook(type(t)._level, hook)
     inner = t._inner
     if requires_grad_flag(inner) or not isinstance(inner, LevelTensor):
         return torch.Tensor.register_hook(inner, hook)  # raises if nothing tracks it
     return inner.register_hook(hook)  # tracked, if at all, by a level around this one
+
+
+class _LevelHook:
+    """A hook registered on a tensor of grad level ``level``: it runs in that level's
+    backward passes only, as in torch.func. The plain tensor it is registered on may be
+    in the history autograd outside keeps too (``w`` requires grad in ``y = x * w``), whose
+    own later pass through it must not run the hook again."""
+
+    __slots__ = ("hook", "level")
+
+    def __init__(self, level: Level, hook: Callable) -> None:
+        self.level, self.hook = level, hook
+
+    def __call__(self, grad: torch.Tensor) -> Any:
+        return self.hook(grad) if self.level.in_backward else None
 
 
 def _untracked(t: torch.Tensor) -> torch.Tensor:
@@ -378,18 +395,10 @@ def _refuse_retain_grad(t: torch.Tensor) -> None:
     )
 
 
-def _refuse_backward(t: torch.Tensor, *args: Any, **kwargs: Any) -> None:
-    raise RuntimeError(
-        f"backward() was called on a tensor of {type(t)._level.describe()}. Inside a "
-        "transform, differentiate with grad, vjp or jacrev, or call backward() outside "
-        "the transform."
-    )
-
-
 _GRAD_LEVEL_TENSOR = {"requires_grad": _TRACKED_BY_LEVEL, "grad_fn": property(_level_grad_fn),
                       "data": data_property(_level_data),
                       "detach_": _level_detach_, "register_hook": _register_hook,
-                      "retain_grad": _refuse_retain_grad, "backward": _refuse_backward,
+                      "retain_grad": _refuse_retain_grad, "backward": refuse_backward,
                       "is_leaf": property(_level_is_leaf),
                       "requires_grad_": _level_requires_grad_}
 
@@ -549,6 +558,8 @@ class JvpLevel(Level):
         inplace = writes_first_argument(func)
         if inplace and type(args[0]) is not cls:
             return lift_written(cls, func, args, kwargs, self.kind, _memory_constant)
+        if inplace:
+            args = _reads_of_the_written_cloned(args)
         view = out_of_place_view(func) if inplace else None
         if view is not None:
             return _jvp_inplace_view(cls, view, args, kwargs)
@@ -741,6 +752,19 @@ def _product_of_one_tangent(cls, func, args: tuple, kwargs: dict) -> Any:
     return _wrap(cls, out, tangent)
 
 
+def _reads_of_the_written_cloned(args: tuple) -> tuple:
+    """``args`` of an in-place op of a jvp level, where another argument that holds
+    exactly the memory the op writes (``y.detach()`` in ``y.mul_(y.detach())``) is cloned:
+    it reads the same values. Forward AD's formulas of such ops (mul_, div_, addcmul_,
+    atan2_) read that argument after the write, a wrong tangent (torch.func's too)."""
+    written = memory_of(args[0])
+    for i in range(1, len(args)):
+        a = args[i]
+        if isinstance(a, torch.Tensor) and a is not args[0] and memory_of(a).is_set_to(written):
+            args = (*args[:i], a.clone(), *args[i + 1:])
+    return args
+
+
 def _has_internal_overlap(t: torch.Tensor) -> bool:
     """Whether elements of ``t`` may share memory (an expanded tensor), as PyTorch tells."""
     return torch._debug_has_internal_overlap(t) != 0
@@ -879,7 +903,8 @@ def _jvp_detach_(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-_JVP_LEVEL_TENSOR = {"data": data_property(_jvp_data), "detach_": _jvp_detach_}
+_JVP_LEVEL_TENSOR = {"data": data_property(_jvp_data), "detach_": _jvp_detach_,
+                     "backward": refuse_backward}
 
 
 def _view_tangent(t: torch.Tensor) -> Any:

@@ -34,6 +34,7 @@ import torch
 from torchlevels._level import (
     LevelTensor,
     LiftedTensor,
+    memory_of,
     resolved,
     set_logical_meta,
     tracked_outside,
@@ -154,9 +155,7 @@ def _plain_refusal(written: Any, base: Any, views: list[torch.Tensor]) -> str:
 def _level_tensor_refusal(written: LevelTensor) -> str:
     """Why ``written``, a tensor of a level around the writing one, cannot become one of
     that level, or '' if it can."""
-    memory = written
-    while isinstance(memory, LevelTensor):
-        memory = memory._inner
+    memory = memory_of(written)
     if type(memory) is not torch.Tensor or memory._is_view():
         return (f"it is a {type(written).__name__} whose memory is a view of another "
                 "tensor's, which would read it untracked")

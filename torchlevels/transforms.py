@@ -305,7 +305,7 @@ def vjp(func: Callable, *primals: Any, has_aux: bool = False, _api: str = "vjp")
                 )
             # the level's graph was recorded with inference mode off: a backward pass run
             # inside the user's inference_mode would make inference tensors for views of it
-            with untracked_pass(untracked), inference_mode_off():
+            with backward_pass(G), untracked_pass(untracked), inference_mode_off():
                 grads = list(own_grad(
                     [o for o, _ in tracked], leaves, [c for _, c in tracked],
                     retain_graph=retain_graph, create_graph=create_graph, allow_unused=True,
@@ -629,8 +629,10 @@ def hessian(func: Callable, argnums: int | tuple[int, ...] = 0) -> Callable:
     ``eigh``, ``eigvalsh`` and ``cholesky`` read one triangle of a matrix taken to be
     symmetric, and their derivatives are symmetric matrices, so Hessians through them
     agree on symmetric directions (``E1 : H : E2`` with symmetric ``E1``, ``E2``) but not
-    on others (torch.func's is then not even symmetric). Write ``jacfwd(jacrev(func))``
-    for torch.func's numbers in such places.
+    on others (torch.func's is then not even symmetric). A ``torch.no_grad()`` block in
+    ``func`` is constant to both reverse passes (as in ``torch.autograd.functional.hessian``)
+    but not to torch.func's forward pass, which no_grad does not stop. Write
+    ``jacfwd(jacrev(func))`` for torch.func's numbers in such places.
 
     Example::
 

@@ -30,6 +30,7 @@ from torchlevels._level import (
     new_level_class,
     new_wrapper,
     preserved_dispatch_keys,
+    refuse_backward,
     refuse_functional,
     requires_grad_flag,
     resolved,
@@ -381,7 +382,7 @@ def new_batch_class(randomness: str = "error", batch_size: int | None = None) ->
     level = BatchLevel(randomness, batch_size)
     return new_level_class(level, "BatchedTensor", classmethod(shortcuts.torch_function),
                            data=data_property(_batched_data),
-                           detach_=_batched_detach_)
+                           detach_=_batched_detach_, backward=refuse_backward)
 
 
 @contextlib.contextmanager
