@@ -79,6 +79,8 @@ from torchlevels.zero_tangents import (
     ZERO_TANGENT_ARGUMENTS,
 )
 
+aten = torch.ops.aten
+
 # A composite op that picks a kernel without a derivative when no argument requires grad,
 # which a grad level's wrappers never do (autograd runs on their inner tensors): the
 # kernel with one, for the inner tensors that do.
@@ -630,9 +632,6 @@ class JvpLevel(Level):
             # with a tangent, like detach)
             out._view_of = (args[0], [(func, args[1:], kwargs)])
         return out
-
-
-aten = torch.ops.aten
 
 
 def _without_zero_tangents(cls, func, args: tuple, dual_args: list, level: int) -> Any:
