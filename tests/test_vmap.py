@@ -120,8 +120,11 @@ def test_non_tensor_output_errors():
 
 def test_bad_randomness_and_chunk_size():
     same_error(torch.sin, torch.randn(3), randomness="bogus", match="randomness")
-    with pytest.raises(ValueError, match="chunk_size"):
-        vmap(torch.sin, chunk_size=0)
+    for bad in (0, -1, 2.0, True):  # (True passed for an int, then failed inside narrow())
+        with pytest.raises(ValueError, match=rf"chunk_size should be None or an int .*{bad}"):
+            vmap(torch.sin, chunk_size=bad)
+        with pytest.raises(ValueError, match=rf"chunk_size` should be None or an int .*{bad}"):
+            torchlevels.jacrev(torch.sin, chunk_size=bad)
 
 
 def test_nested_vmap_depth_three():

@@ -474,7 +474,8 @@ def jacrev(func: Callable, argnums: int | tuple[int, ...] = 0, *, has_aux: bool 
         tensor([[1.0000, 0.0000],
                 [0.0000, 0.5403]])
     """
-    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size <= 0):
+    if chunk_size is not None and (isinstance(chunk_size, bool)
+                               or not isinstance(chunk_size, int) or chunk_size <= 0):
         raise ValueError(f"jacrev: `chunk_size` should be None or an int greater than 0 (got "
                          f"{chunk_size!r}).")
 

@@ -448,7 +448,8 @@ def vmap(
     _check_randomness(randomness)
     if func is None:
         return _LevelBlock(randomness)
-    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size <= 0):
+    if chunk_size is not None and (isinstance(chunk_size, bool)
+                               or not isinstance(chunk_size, int) or chunk_size <= 0):
         raise ValueError(f"vmap: chunk_size should be None or an int greater than 0 (got "
                          f"{chunk_size!r})")
 
