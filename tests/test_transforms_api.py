@@ -410,6 +410,38 @@ def test_linearize_matches_jvp_and_torch_func():
         assert_tree_close(fn(*tangents), fn_f(*tangents))
 
 
+_C = torch.rand(3, generator=seeded(40), dtype=torch.float64) + 0.5
+_MAT = torch.randn(3, 3, generator=seeded(41), dtype=torch.float64)
+SCALED_BY_A_NUMBER = {
+    "add alpha": lambda x: torch.add(x, _C, alpha=0.5) + torch.sub(x.exp(), x, alpha=2),
+    "addcmul value": lambda x: torch.addcmul(_C, x, x.sin(), value=0.5),
+    "addcdiv value": lambda x: torch.addcdiv(x, x.sin(), _C, value=-2),
+    "addmm and kin": lambda x: (torch.addmm(_MAT, x[:, None], x[None], beta=0.5, alpha=2)
+                                + torch.addr(_MAT, x, _C, alpha=3)
+                                + torch.baddbmm(_MAT[None], x[None, :, None], x[None, None],
+                                                beta=0, alpha=0.5)[0]
+                                + torch.addmv(x, _MAT, x, beta=2).sum()),
+    "in place": lambda x: (x * 1).add_(_C, alpha=0.3).addcdiv_(x, _C, value=0.3).addcmul_(
+        x, _C, value=2),
+    "beta 0 ignores nan": lambda x: torch.addmm(_MAT.log() * -_MAT.abs(), x[:, None], x[None],
+                                                beta=0, alpha=0.5),
+}
+
+
+@pytest.mark.parametrize("name", SCALED_BY_A_NUMBER)
+def test_linearize_and_compile_of_ops_scaled_by_a_number(name):
+    """PyTorch's forward-AD formulas of these ops crash the interpreter under make_fx,
+    which linearize's and torchlevels.compile's traces run (torch.func.linearize crashes
+    there too): while tracing, a jvp level runs them without the coefficient argument."""
+    f = SCALED_BY_A_NUMBER[name]
+    x, t = torch.randn(3, dtype=torch.float64), torch.randn(3, dtype=torch.float64)
+    expected = tf.jvp(f, (x,), (t,))
+    out, jvp_fn = tl.linearize(f, x)
+    assert_tree_close((out, jvp_fn(t)), expected, equal_nan=True)
+    compiled = tl.compile(lambda x, t: tl.jvp(f, (x,), (t,)))
+    assert_tree_close(compiled(x, t), expected, equal_nan=True)
+
+
 def test_linearize_pytrees():
     out, fn = tl.linearize(tree_fn, TREE_IN)
     out_f, fn_f = tf.linearize(tree_fn, TREE_IN)

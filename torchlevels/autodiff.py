@@ -30,7 +30,7 @@ import torch._decomp
 import torch.autograd.forward_ad as fwAD
 from torch._decomp import decompositions_for_jvp
 
-from torchlevels import grad_shortcuts, linalg_recomputed
+from torchlevels import coefficients_traced, grad_shortcuts, linalg_recomputed
 from torchlevels._level import (
     Level,
     LevelTensor,
@@ -562,6 +562,10 @@ class JvpLevel(Level):
             return lift_written(cls, func, args, kwargs, self.kind, _memory_constant)
         if inplace:
             args = _reads_of_the_written_cloned(args)
+        if func in coefficients_traced.SCALED:  # (PyTorch crashes tracing their formulas)
+            out = coefficients_traced.unscaled(func, args, kwargs)
+            if out is not NotImplemented:
+                return out
         view = out_of_place_view(func) if inplace else None
         if view is not None:
             return _jvp_inplace_view(cls, view, args, kwargs)
