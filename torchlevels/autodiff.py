@@ -562,7 +562,7 @@ class JvpLevel(Level):
             return lift_written(cls, func, args, kwargs, self.kind, _memory_constant)
         if inplace:
             args = _reads_of_the_written_cloned(args)
-        if func in coefficients_traced.SCALED:  # (PyTorch crashes tracing their formulas)
+        if kwargs and func in coefficients_traced.SCALED:  # (PyTorch crashes tracing them)
             out = coefficients_traced.unscaled(func, args, kwargs)
             if out is not NotImplemented:
                 return out
