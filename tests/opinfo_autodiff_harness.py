@@ -44,7 +44,7 @@ from opinfo_harness import Outcome, _first_line, _RandomOpSpy, _time_limit, _Tim
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from vmap_reference import seeded
 
-TRANSFORMS = ("grad", "jvp", "jacrev", "jacfwd", "hessian")
+TRANSFORMS = ("grad", "jvp", "linearize", "jacrev", "jacfwd", "hessian")
 MAX_SAMPLES = 4  # grad, jvp: the first samples
 JAC_SCAN = 12  # jacrev, jacfwd, hessian: look this far for small samples ...
 JAC_SAMPLES = 2  # ... and keep this many
@@ -230,7 +230,7 @@ def reference(transform: str, case: Case) -> list[torch.Tensor]:
         if not loss.requires_grad:
             return [torch.zeros_like(x) for x in xs]
         return list(torch.autograd.grad(loss, xs, allow_unused=True, materialize_grads=True))
-    if transform == "jvp":
+    if transform in ("jvp", "linearize"):
         with fwAD.dual_level():
             duals = [fwAD.make_dual(x, t) for x, t in zip(_inputs(case), case.tangents)]
             pairs = [fwAD.unpack_dual(o) for o in case.fn(*duals)]
@@ -310,6 +310,9 @@ def apply(transform: str, impl: Any, case: Case) -> list[torch.Tensor]:
     if transform == "jvp":
         primals, tangents = impl.jvp(case.fn, tuple(xs), tuple(case.tangents))
         return list(primals) + list(tangents)
+    if transform == "linearize":
+        primals, jvp_fn = impl.linearize(case.fn, *xs)
+        return list(primals) + list(jvp_fn(*case.tangents))
     if transform == "jacrev":
         return tree_flatten(impl.jacrev(real_outputs_fn(case), argnums=argnums)(*xs))[0]
     if transform == "jacfwd":
@@ -345,7 +348,7 @@ def unsupported(op, transform: str, dtype: torch.dtype = torch.float64) -> str:
         return "op does not support autograd"
     if dtype not in op.supported_backward_dtypes(torch.get_default_device().type):
         return f"no {dtype} backward on CPU"
-    if transform in ("jvp", "jacfwd", "hessian") and not op.supports_forward_ad:
+    if transform in ("jvp", "linearize", "jacfwd", "hessian") and not op.supports_forward_ad:
         return "op does not support forward AD"
     if transform == "hessian" and not op.supports_fwgrad_bwgrad:
         return "op does not support forward-over-reverse AD"
@@ -354,7 +357,7 @@ def unsupported(op, transform: str, dtype: torch.dtype = torch.float64) -> str:
 
 def _cases_for(op, transform: str, dtype: torch.dtype
                ) -> tuple[list[Case], list[list[torch.Tensor]]]:
-    if transform in ("grad", "jvp"):
+    if transform in ("grad", "jvp", "linearize"):
         found = cases(op, MAX_SAMPLES, dtype=dtype)
     else:
         found = cases(op, JAC_SAMPLES, scan=JAC_SCAN, small=True, dtype=dtype)

@@ -1,4 +1,4 @@
-"""torchlevels' grad, jvp, jacrev, jacfwd and hessian against torch.autograd on op_db.
+"""torchlevels' grad, jvp, linearize, jacrev, jacfwd and hessian against torch.autograd on op_db.
 
 In float64; grad and jvp also in complex128, where the gradient of a complex input is the
 conjugate Wirtinger derivative torch.autograd gives and a complex output is
@@ -69,6 +69,13 @@ def test_grad(op):
 @pytest.mark.parametrize("op", _params("jvp"))
 def test_jvp(op):
     _check(op, "jvp")
+
+
+@pytest.mark.parametrize("op", _params("linearize"))
+def test_linearize(op):
+    """jvp_fn of linearize against forward AD: its trace (make_fx) is where PyTorch's
+    forward-AD formulas of ops scaled by a number crashed the interpreter."""
+    _check(op, "linearize")
 
 
 @pytest.mark.parametrize("op", _params("grad", torch.complex128))
