@@ -34,15 +34,10 @@ XFAILS: dict[str, dict[str, str]] = {
             'nn.functional.linear_cross_entropy.chunked_none'),
     },
     'jacfwd': {},
-    'linearize': {
-        **_each("both: torch.func fails too: random op: linearize draws the op's random numbers "
-                "again when it traces the jvp, so jvp_fn's tangent is of another draw than the "
-                "reference's", *_LINEARIZE_RANDOM, 'nn.functional.multi_head_attention_forward'),
-        **_each("core: random op: torchlevels' linearize runs f for its output and again, traced, "
-                "for jvp_fn (see its docstring), so the tangent is of a second draw of rrelu's "
-                "slopes where the reference draws once (torch.func's passes this sample)",
-                'nn.functional.rrelu'),
-    },
+    'linearize': _each(
+        "both: torch.func fails too: random op: linearize draws the op's random numbers again "
+        "when it traces the jvp, so jvp_fn's tangent is of another draw than the reference's",
+        *_LINEARIZE_RANDOM, 'nn.functional.multi_head_attention_forward', 'nn.functional.rrelu'),
     'hessian': {
         **_each("core: order-dependent: the sample is not symmetric, and PyTorch's cholesky/eigh "
                 "derivative formulas assume it is, so the second derivative depends on the AD "
