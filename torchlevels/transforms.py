@@ -45,7 +45,7 @@ from torchlevels.autograd_grad import own_grad
 from torchlevels.batching.registry import UnbatchedWriteError
 from torchlevels.lifted import CapturedMutationError
 from torchlevels.tools.partial_eval import partially_evaluated
-from torchlevels.vmap import BatchLevel, vmap
+from torchlevels.vmap import BatchLevel, valid_chunk_size, vmap
 
 __all__ = [
     "functional_call", "grad", "grad_and_value", "hessian", "jacfwd", "jacrev", "jvp",
@@ -474,8 +474,7 @@ def jacrev(func: Callable, argnums: int | tuple[int, ...] = 0, *, has_aux: bool 
         tensor([[1.0000, 0.0000],
                 [0.0000, 0.5403]])
     """
-    if chunk_size is not None and (isinstance(chunk_size, bool)
-                               or not isinstance(chunk_size, int) or chunk_size <= 0):
+    if not valid_chunk_size(chunk_size):
         raise ValueError(f"jacrev: `chunk_size` should be None or an int greater than 0 (got "
                          f"{chunk_size!r}).")
 

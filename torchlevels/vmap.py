@@ -377,6 +377,12 @@ def _batched_detach_(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def valid_chunk_size(chunk_size: Any) -> bool:
+    """Whether ``chunk_size`` (of vmap or jacrev) is None or an int above 0 (not a bool)."""
+    return chunk_size is None or (type(chunk_size) is not bool and isinstance(chunk_size, int)
+                                  and chunk_size > 0)
+
+
 def new_batch_class(randomness: str = "error", batch_size: int | None = None) -> type:
     """The class of a fresh vmap level (not yet entered)."""
     level = BatchLevel(randomness, batch_size)
@@ -448,8 +454,7 @@ def vmap(
     _check_randomness(randomness)
     if func is None:
         return _LevelBlock(randomness)
-    if chunk_size is not None and (isinstance(chunk_size, bool)
-                               or not isinstance(chunk_size, int) or chunk_size <= 0):
+    if not valid_chunk_size(chunk_size):
         raise ValueError(f"vmap: chunk_size should be None or an int greater than 0 (got "
                          f"{chunk_size!r})")
 
