@@ -37,7 +37,7 @@ from torchlevels.zero_tangents import SCALAR_OVERLOADS
 
 _make_dual, _unpack_dual = torch._VF._make_dual, torch._VF._unpack_dual
 _set_grad_enabled = torch._C._set_grad_enabled
-_NUMBERS = (int, float, bool)
+_NUMBERS = (int, float, bool)  # (a complex number takes the usual way)
 # the most elements of a tangent whose unbatched primal is run on one copy per example
 _EXPANDED_PRIMAL_LIMIT = 1 << 13
 
