@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch.testing import assert_close
+from torch.utils._pytree import tree_map
 from vmap_reference import loop_reference, seeded, vmap_without_slow_loop
 
 import torchlevels
@@ -549,6 +550,35 @@ def test_nonzero_with_equal_counts_matches_loop_and_different_counts_raise():
         torch.testing.assert_close(run_ours(f, [same], (0,)), torch.stack([f(r) for r in same]))
     differ = torch.tensor([[1.0, 0.0, 2.0], [0.0, 0.0, 4.0]])
     check_raises(torch.nonzero, [differ], (0,), match="dynamic shape")
+
+
+_DATA_DEPENDENT = {
+    "nonzero": torch.nonzero,
+    "masked_select": lambda t: torch.masked_select(3 * t, t > 0),
+    "unique": lambda t: torch.unique(t, return_inverse=True, return_counts=True),
+}
+
+
+@pytest.mark.parametrize("name", _DATA_DEPENDENT)
+@pytest.mark.parametrize("in_dims", [(0, 0), (1, 0), (0, -1)])
+def test_ops_of_data_dependent_shape_under_nested_vmap(name, in_dims):
+    """Examples of both levels that agree on their count stack as a double loop does; the
+    counts are read outside the inner level (they once raised reading a batched value)."""
+    f = _DATA_DEPENDENT[name]
+    e = torch.zeros(2, 3, 5)  # [outer, inner, elements of one example]
+    e[..., 1], e[..., 3] = 1.0, 2.0
+    e[1] *= torch.arange(1.0, 4.0).unsqueeze(-1)  # other values, the same counts
+
+    def run(e):
+        x = e.movedim(1, 1 + in_dims[1] % 2).movedim(0, in_dims[0])
+        return vmap_without_slow_loop(torchlevels.vmap(f, in_dims=in_dims[1]), x,
+                                      in_dims=in_dims[0])
+
+    stack = lambda *ts: torch.stack(ts)  # noqa: E731
+    assert_close(run(e), tree_map(stack, *[tree_map(stack, *map(f, row)) for row in e]))
+    e[1, 2, 0] = 5.0  # one example has one more
+    with pytest.raises(RuntimeError, match="differ|dynamic shape"):
+        run(e)
 
 
 @pytest.mark.parametrize("shape", [(), (5,), (3, 4)])

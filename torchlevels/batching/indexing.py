@@ -9,8 +9,9 @@ example's indices by ``b * self.size(dim)``.
 
 In-place variants write through a view of the batched ``self`` and refuse an unbatched
 ``self`` that would receive batched values. Ops whose output shape depends on the
-values (nonzero, masked_select over a batched mask, indexing with a batched bool mask)
-raise, as torch.func does.
+values (nonzero, unique, masked_select over a batched mask) run where all examples, of
+every vmap level, give as many values, and raise otherwise; torch.func always raises.
+Indexing with a batched bool mask raises, as torch.func does.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import math
 
 import torch
 
-from torchlevels._level import LevelTensor, autograd_records
+from torchlevels._level import LevelTensor, autograd_records, memory_of
 from torchlevels.batching.dims import (
     example_meta,
     logical_rank,
@@ -407,23 +408,40 @@ def masked_select(func, args, dims, kwargs):
     """masked_select with a shared mask; with a batched mask, only where every example
     selects as many elements (shapes otherwise differ per example), as a loop stacks them."""
     self, mask = args
-    if dims[1] is not None:
+    if dims[1] is not None or isinstance(mask, LevelTensor):  # batched here or outside
         x, mask = _broadcast_with_mask(self, mask, dims, batch_size(args, dims))
-        if x.dim() == 1:  # 0-dim examples: one element each
-            x, mask = x.unsqueeze(1), mask.unsqueeze(1)
-        counts = mask.flatten(1).sum(1)
-        if x.shape[0] and bool((counts != counts[0]).any()):
-            raise RuntimeError(
-                "vmap: Attempted to vmap over `mask` in torch.masked_select(self, mask), and "
-                "the examples select different numbers of elements, so each would return a "
-                "differently shaped Tensor. Use torch.where(mask, self, 0) instead, which keeps "
-                "the shape.")
-        return x[mask].view(x.shape[0], -1), 0
+        x, mask = rows(x), rows(mask)  # a 0-dim example is a 1-element one
+        n = _common_count(mask.sum(1), RuntimeError(
+            "vmap: Attempted to vmap over `mask` in torch.masked_select(self, mask), and "
+            "the examples select different numbers of elements, so each would return a "
+            "differently shaped Tensor. Use torch.where(mask, self, 0) instead, which keeps "
+            "the shape."))
+        return x.gather(1, _true_first(mask)[:, :n]), 0
     x = to_front(self, dims[0])
     rank = max(x.dim() - 1, mask.dim(), 1)  # a 0-dim example is a 1-element one
     shape = torch.broadcast_shapes(x.shape[1:], mask.shape, (1,) * rank)
     x = pad_to_rank(x, rank).expand(x.shape[0], *shape)
     return aten.index.Tensor(x, [None, mask.expand(shape)]), 0
+
+
+def _common_count(counts: torch.Tensor, error: Exception) -> int:
+    """The count all examples have, of their ``counts`` (``[batch]``), else raise
+    ``error``. The counts are read under the levels outside this one (nested vmap), where
+    every example's are: all must agree for the examples' results to stack."""
+    counts = memory_of(counts)
+    if counts.numel() == 0:
+        return 0
+    first = counts.flatten()[0]
+    if bool((counts != first).any()):
+        raise error
+    return int(first)
+
+
+def _true_first(mask: torch.Tensor) -> torch.Tensor:
+    """For ``[batch, n]`` bools, each row's positions with its True ones first, in order:
+    a stable sort, which a vmap level outside batches (indexing by the mask would give
+    each of that level's examples a differently shaped result)."""
+    return torch.sort(~mask, dim=1, stable=True).indices
 
 
 def _broadcast_with_mask(x: torch.Tensor, mask: torch.Tensor, dims: tuple, size: int
@@ -482,24 +500,25 @@ def masked_scatter_backward(func, args, dims, kwargs):
 
 @register(aten.nonzero.default)
 def nonzero(func, args, dims, kwargs):
-    """One nonzero over the batch, split per example; examples must agree on the count."""
+    """Each example's nonzero indices, as ``nonzero_static`` gives them with the count that
+    all examples must share."""
     x = to_front(args[0], dims[0])
-    found = torch.nonzero(x)  # rows are (example, *index), grouped by example
-    counts = torch.bincount(found[:, 0], minlength=x.shape[0])
-    if x.shape[0] and bool((counts != counts[0]).any()):
-        raise _dynamic_shape_error(str(func))
-    per_example = int(counts[0]) if x.shape[0] else 0
-    return found[:, 1:].reshape(x.shape[0], per_example, x.dim() - 1), 0
+    n = _common_count(rows(x).ne(0).sum(1), _dynamic_shape_error(str(func)))
+    return _first_nonzero(x, n, -1), 0
 
 
 @register(aten.nonzero_static.default)
 def nonzero_static(func, args, dims, kwargs):
-    """Each example's first ``size`` nonzero indices, padded with ``fill_value``: a stable
-    sort of each example's flat positions puts its nonzero ones first, in order."""
-    x = to_front(args[0], dims[0])
-    size, fill = kwargs["size"], kwargs.get("fill_value", -1)
+    """Each example's first ``size`` nonzero indices, padded with ``fill_value``."""
+    return _first_nonzero(to_front(args[0], dims[0]), kwargs["size"],
+                          kwargs.get("fill_value", -1)), 0
+
+
+def _first_nonzero(x: torch.Tensor, size: int, fill: int) -> torch.Tensor:
+    """The first ``size`` nonzero indices of each example of batch-first ``x``, padded with
+    ``fill``: a stable sort of each example's flat positions puts its nonzero ones first."""
     nonzero = rows(x) != 0
-    positions = torch.sort(~nonzero, dim=1, stable=True).indices[:, :size]
+    positions = _true_first(nonzero)[:, :size]
     shape = x.shape[1:]
     if shape:
         index = torch.stack(torch.unravel_index(positions, shape), dim=-1)
@@ -507,7 +526,7 @@ def nonzero_static(func, args, dims, kwargs):
         index = positions.new_empty(positions.shape + (0,))
     index = index.masked_fill(~nonzero.gather(1, positions).unsqueeze(-1), fill)
     padding = size - positions.shape[1]  # more rows asked for than elements
-    return torch.nn.functional.pad(index, (0, 0, 0, padding), value=fill), 0
+    return torch.nn.functional.pad(index, (0, 0, 0, padding), value=fill)
 
 
 @register(aten._unique2.default)
@@ -520,15 +539,12 @@ def unique(func, args, dims, kwargs):
     values, order = flat.sort(1)
     first = torch.ones_like(values, dtype=torch.bool)  # where a new value starts
     first[:, 1:] = values[:, 1:] != values[:, :-1]
-    counts_per_example = first.sum(1)
-    if flat.shape[0] and bool((counts_per_example != counts_per_example[0]).any()):
-        raise _dynamic_shape_error(str(func))
-    n = int(counts_per_example[0]) if flat.shape[0] else 0
+    n = _common_count(first.sum(1), _dynamic_shape_error(str(func)))
     group = first.cumsum(1) - 1  # the unique value each sorted element belongs to
-    out = values[first].reshape(flat.shape[0], n)
+    out = values.gather(1, _true_first(first)[:, :n])
     inverse = (torch.empty_like(order).scatter_(1, order, group).reshape(x.shape)
                if return_inverse else flat.new_empty((flat.shape[0], 0), dtype=torch.long))
-    counts = (torch.zeros(flat.shape[0], n, dtype=torch.long, device=x.device).scatter_add_(
+    counts = (torch.zeros(flat.shape[0], n, dtype=torch.long, device=x.device).scatter_add(
         1, group, torch.ones_like(group)) if return_counts
               else flat.new_empty((flat.shape[0], 0), dtype=torch.long))
     return (out, inverse, counts), (0, 0, 0)
