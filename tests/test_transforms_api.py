@@ -1257,6 +1257,22 @@ def test_checkpoint_inside_grad():
         tl.grad(f)(X, True)
 
 
+@pytest.mark.parametrize("lib", [tf, tl], ids=["torch.func", "torchlevels"])
+def test_a_refused_saved_tensor_hook_leaves_hooks_usable_afterwards(lib):
+    """hessian under save_on_cpu raises in both libraries; afterwards, save_on_cpu works
+    again outside any transform (torchlevels once left hooks disabled for the process)."""
+    def save_on_cpu_works():
+        y = X.clone().requires_grad_()
+        with torch.autograd.graph.save_on_cpu():
+            (y * y).sum().backward()
+        torch.testing.assert_close(y.grad, 2 * X)
+
+    save_on_cpu_works()
+    with pytest.raises(RuntimeError), torch.autograd.graph.save_on_cpu():
+        lib.hessian(lambda v: v.sin().sum())(X)
+    save_on_cpu_works()
+
+
 # -- regular autograd on top of the transforms ----------------------------------------
 
 def leaf():

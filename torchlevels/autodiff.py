@@ -1276,8 +1276,8 @@ def _saved_tensor_hooks_refused() -> Iterator[None]:
     """Saved-tensor hooks refused in this thread, as torch.func's grad refuses them (see
     :meth:`GradLevel.refuse_saved_tensor_hooks`); the state before is put back."""
     before = torch._C._autograd._saved_tensors_hooks_get_disabled_error_message()
-    torch._C._autograd._saved_tensors_hooks_disable(_HOOKS_REFUSED)
-    try:
+    try:  # it raises if hooks are in use (save_on_cpu outside), after disabling them
+        torch._C._autograd._saved_tensors_hooks_disable(_HOOKS_REFUSED)
         yield
     finally:
         if before is None:
