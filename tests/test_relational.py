@@ -970,3 +970,142 @@ def test_columns_tables_do_not_hold_are_errors_naming_them(values, error, match)
 def test_a_table_of_bad_columns_is_a_type_error_saying_what_is_wrong(columns):
     with pytest.raises(TypeError, match="column names must be str|expected a mapping"):
         Table(columns)
+
+
+# -- sums of bools, days between dates, means of ints and groups of no rows --------------
+BOOLS = pa.table({"k": pa.array([1, 1, 2, 2, 3], pa.int64()),
+                  "b": pa.array([True, True, False, True, False]),
+                  "x": pa.array([1, 2, 3, 4, 5], pa.int64())})
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["op by op", "compiled"])
+def test_sums_of_bools_count_the_true_values_as_duckdb(con, monkeypatch, fused):
+    from torchlevels.relational import _fuse
+
+    if fused:
+        monkeypatch.setattr(_fuse, "FUSE_MIN_ROWS", 0)
+    t = _register(con, "bools", BOOLS)
+    R = dims(1)
+    r = t[R]
+    R2, f = where(r["x"] > 1, r)
+    assert [f["b"].sum(R2).item(), (f["x"] > 3).sum(R2).item()] == list(duck_rows(
+        con, "select sum(b), sum(x > 3) from bools where x > 1")[0])
+    for rows, sql in [(t, "bools"), (f, "bools where x > 1")]:
+        g = groupby(rows, "k")
+        G, J = dims(2)
+        q = g[G, J]
+        out = Table({**g.keys.columns, "b": q["b"].sum(J).order(G),
+                     "big": (q["x"] > 2).sum(J).order(G)})
+        assert_same_rows(our_rows(out), duck_rows(
+            con, f"select k, sum(b), sum(x > 2) from {sql} group by k order by k"))
+    assert not _fuse._compile_failed
+
+
+def test_days_between_dates_are_64_bit_ints_as_in_duckdb(con):
+    t = _register(con, "days", pa.table({
+        "d": pa.array([date(2000, 1, 1), date(2100, 1, 1), None, date(1999, 12, 31)]),
+        "e": pa.array([date(1970, 1, 1), date(2100, 1, 1), date(1, 1, 1), date(9999, 12, 31)]),
+    }))
+    R = dims(1)
+    r = t[R]
+    days, gap, none = r["d"] - date(1970, 1, 1), r["d"] - r["e"], r["e"] - r["e"]
+    out = Table({"a": (days * 100000).order(R), "b": (days + 2**40).order(R),
+                 "c": (days >= 2**32).order(R), "g": (gap * -2147483648).order(R),
+                 "n": (-none).order(R), "f": (none - 2**40 <= -1).order(R)})
+    sql = ("select (d - date '1970-01-01') * 100000, (d - date '1970-01-01') + 1099511627776, "
+           "(d - date '1970-01-01') >= 4294967296, (d - e) * -2147483648, -(e - e), "
+           "(e - e) - 1099511627776 <= -1 from days")
+    assert_same_rows(our_rows(out), duck_rows(con, sql))
+    assert out.to_arrow().schema.types == con.sql(sql).arrow().schema.types
+
+
+def test_grouping_filtered_rows_of_wide_keys_into_few_groups(con):
+    t = _register(con, "wide_few", pa.table({"k": pa.array([0, 2**40, 5, 5, -1], pa.int64()),
+                                             "x": pa.array([1, 2, 3, 4, 5], pa.int64())}))
+    R = dims(1)
+    r = t[R]
+    R2, f = where(r["x"] != 2, r)  # the keys span 2**40, the rows kept fall in 3 groups
+    g = groupby(f, "k")
+    G, J = dims(2)
+    q = g[G, J]
+    out = Table({**g.keys.columns, "n": q.count(J).order(G), "s": q["x"].sum(J).order(G)})
+    assert_same_rows(our_rows(out), duck_rows(
+        con, "select k, count(*), sum(x) from wide_few where x <> 2 group by k order by k"))
+
+
+def test_means_of_ints_per_group_are_exact_as_duckdb(con):
+    # per group 2**62 + i and -2**62, a mean float64 sums would round to 0; "n" has nulls,
+    # "m" none; by "k" 20 groups (more than fuse), by "few" 3
+    keys = list(range(20)) * 2 + [0]
+    x = [2**62 + i for i in range(20)] + [-(2**62)] * 20
+    t = _register(con, "means", pa.table({
+        "k": pa.array(keys, pa.int64()), "few": pa.array([k % 3 for k in keys], pa.int64()),
+        "n": pa.array(x + [None], pa.int64()), "m": pa.array(x + [0], pa.int64())}))
+    for key in ("k", "few"):
+        g = groupby(t, key)
+        G, J = dims(2)
+        q = g[G, J]
+        out = Table({**g.keys.columns, "n": q["n"].mean(J).order(G),
+                     "m": q["m"].mean(J).order(G)})
+        assert_same_rows(our_rows(out), duck_rows(
+            con, f"select {key}, avg(n), avg(m) from means group by {key} order by {key}"))
+
+
+def test_aggregates_over_no_groups_have_duckdbs_types(con):
+    t = _register(con, "nothing", pa.table({"k": pa.array([1, 2], pa.int64()),
+                                            "f": pa.array([1.5, None]),
+                                            "i": pa.array([3, 4], pa.int64())}))
+    R = dims(1)
+    r = t[R]
+    R2, f = where(r["k"] > 5, r)
+    for rows, sql in [(t.head(0), "nothing where false"), (f, "nothing where k > 5")]:
+        g = groupby(rows, "k")
+        G, J = dims(2)
+        q = g[G, J]
+        out = Table({**g.keys.columns, "sf": q["f"].sum(J).order(G), "af": q["f"].mean(J).order(G),
+                     "ai": q["i"].mean(J).order(G), "n": q.count(J).order(G),
+                     "lo": q["f"].min(J).order(G), "hi": q["i"].max(J).order(G)})
+        query = (f"select k, sum(f), avg(f), avg(i), count(*), min(f), max(i) from {sql} "
+                 "group by k")
+        assert our_rows(out) == duck_rows(con, query) == []
+        assert out.to_arrow().schema.types == con.sql(query).arrow().schema.types
+
+
+ARITH = pa.table({"i": pa.array([3, -7, None, 0, 2**62], pa.int64()),
+                  "f": pa.array([-1.5, float("nan"), None, -0.0, 2.0]),
+                  "j": pa.array([2, -3, 4, 0, -1], pa.int64()),  # no nulls: recorded lazily
+                  "b": pa.array([True, False, None, True, False])})
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["op by op", "compiled"])
+def test_abs_and_powers_match_duckdb(con, monkeypatch, fused):
+    from torchlevels.relational import _fuse
+
+    if fused:
+        monkeypatch.setattr(_fuse, "FUSE_MIN_ROWS", 0)
+    t = _register(con, "arith", ARITH)
+    R = dims(1)
+    r = t[R]
+    out = Table({"a": abs(r["i"]).order(R), "b": abs(r["f"]).order(R), "c": abs(r["j"]).order(R),
+                 "p": (r["i"] ** 2).order(R), "q": (r["j"] ** r["f"]).order(R),
+                 "r": (2 ** r["j"]).order(R), "s": (r["f"] ** 0.5).order(R),
+                 "t": (r["j"] ** -1).order(R)})
+    sql = "select abs(i), abs(f), abs(j), i ** 2, j ** f, 2 ** j, f ** 0.5, j ** -1 from arith"
+    assert_same_rows(our_rows(out), duck_rows(con, sql))
+    assert out.to_arrow().schema.types == con.sql(sql).arrow().schema.types
+    assert_same_rows([(abs(r["j"]).sum(R).item(), (r["j"] ** 2).sum(R).item(),
+                       (abs(r["j"] * 1.5) ** r["j"]).sum(R).item())],
+                     duck_rows(con, "select sum(abs(j)), sum(j ** 2), sum(abs(j * 1.5) ** j) "
+                               "from arith"))
+    assert not _fuse._compile_failed
+    big = _register(con, "big", BIG)
+    with pytest.raises(duckdb.Error, match="Overflow on abs"):
+        duck_rows(con, "select abs(m) from big")
+    B = dims(1)
+    with pytest.raises(OverflowError, match=r"int64 overflow: abs\(-9223372036854775808\)"):
+        abs(big[B]["m"]).sum(B).item()
+    for ours, sql in [(lambda: abs(r["b"]), "abs(b)"), (lambda: r["b"] ** 2, "b ** 2")]:
+        with pytest.raises(duckdb.BinderException):
+            duck_rows(con, f"select {sql} from arith")
+        with pytest.raises(TypeError, match="cannot take abs of column 'b'|no arithmetic on bools"):
+            ours()

@@ -4,6 +4,8 @@ Each test checks the exception type the reference raises (where it raises) and t
 words of the message, or the values the reference gives for the same input.
 """
 
+import operator
+
 import duckdb
 import numpy as np
 import pandas as pd
@@ -13,7 +15,7 @@ import torch
 
 from tests.relational_reference import assert_same_rows, duck_rows, our_rows
 from torchlevels.dim import dims
-from torchlevels.relational import Table, groupby, where
+from torchlevels.relational import Table, cat, groupby, where
 
 DATA = pa.table({
     "id": pa.array([1, 2, 3, 4, 5], pa.int64()),
@@ -132,3 +134,55 @@ def test_order_of_a_grouped_column_says_how_to_list_or_reduce_it(con, table):
     # the reduction the message suggests, as DuckDB computes it (groups sorted by key)
     assert _column(r["x"].sum(J).order(G)) == _duck_column(
         con, "select sum(x) from t group by s order by s nulls last")
+
+
+# -- a table where its rows bound to a dim belong ---------------------------------------
+def test_a_table_or_its_columns_where_rows_belong_say_to_bind_them(con, table):
+    R, O = dims(2)
+    r = table[R]
+    mask = r["x"] > 0
+    for ours in (lambda: where(mask, table), lambda: cat(table, r),
+                 lambda: where(r["id"] == table[O]["id"], table)):
+        with pytest.raises(TypeError, match=r"takes rows bound to dims, got a Table: bind its "
+                                            r"rows to a dim first \(table\[D\]\)"):
+            ours()
+    with pytest.raises(TypeError, match=r"got column 'x' \(float\), not bound to a dim.*"
+                                        r"table\[D\]\[name\]"):
+        where(mask, table["x"])
+    with pytest.raises(ValueError, match=r"positional.*compute it from a row view, table\[D\]"):
+        where(table["x"] > 0, r)
+    with pytest.raises(ValueError, match=r"positional.*\.sum\(\) reduces all its rows; bind "
+                                         r"the table to a dim, table\[D\]"):
+        table["x"].sum(R)
+    # what the messages say to write, as DuckDB computes it
+    R2, kept = where(mask, table[R])
+    assert_same_rows(our_rows(kept.order(R2)), duck_rows(con, "select * from t where x > 0"))
+    assert table["x"].sum().item() == _duck_column(con, "select sum(x) from t")[0]
+
+
+# -- None, //, % ----------------------------------------------------------------------
+def test_none_in_a_column_expression_points_to_is_null(con, table):
+    R = dims(1)
+    r = table[R]
+    # SQL's x = NULL is null on every row: never what was meant
+    assert _duck_column(con, "select x = null from t") == [None] * 5
+    for ours in (lambda: r["x"] == None, lambda: r["x"] != None,  # noqa: E711
+                 lambda: where(r["ok"], r["x"], None)):
+        with pytest.raises(TypeError, match=r"cannot use None.*test for nulls with "
+                                            r"\.is_null\(\)"):
+            ours()
+    assert _column(r["x"].is_null().order(R)) == _duck_column(con, "select x is null from t")
+
+
+@pytest.mark.parametrize("op, symbol", [(operator.floordiv, "//"), (operator.mod, "%")])
+def test_floor_division_and_modulo_are_refused_naming_the_operator(con, table, op, symbol):
+    # DuckDB's // and % round the quotient toward zero, Python's toward -inf
+    negated = [-i for i in _column(table["id"])]
+    assert _duck_column(con, f"select -id {symbol} 2 from t") != [op(i, 2) for i in negated]
+    R = dims(1)
+    r = table[R]
+    for ours in (lambda: op(-r["id"], 2), lambda: op(7, r["id"]), lambda: op(r["x"], r["x"])):
+        with pytest.raises(TypeError, match=rf"'{symbol}' is not supported on columns: SQL's "
+                                            r"// and % round the quotient toward zero.*"
+                                            r"divide with /"):
+            ours()

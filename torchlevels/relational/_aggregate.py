@@ -34,8 +34,11 @@ def aggregate(col: Column, dim, how: str) -> Column:
             f"{groups.J!r}; reduce over {groups.J!r} (per group) or over both (all rows)"
         )
     if groups is None and (set(dims) != set(col.dims) or len(dims) != len(col.dims)):
+        hint = (f" (it is positional, a Table's column: .{how}() reduces all its rows; bind "
+                "the table to a dim, table[D], to reduce over D)"
+                if not col.dims and not col._is_scalar() else "")
         raise ValueError(f"{how}{dims!r}: {col.describe()} can only be reduced over its dims "
-                         f"{col.dims!r}")
+                         f"{col.dims!r}{hint}")
     value, is_valid = reduce_all(col, how)
     return Column(value, kind, valid=is_valid, dictionary=col.dictionary, name=name)
 
@@ -137,14 +140,13 @@ def reduce_groups(col: Column, groups: Grouping, how: str):
         return torch.bincount(per_group, minlength=k + 1)[:k], None
     empty = n_valid == 0
     null = empty if bool(empty.any()) else None
-    if how in ("sum", "mean"):
-        if values.is_floating_point() or how == "mean":
-            total = torch.bincount(gid, weights=values.double(), minlength=k + 1)[:k]
+    if how in ("sum", "mean"):  # ints exactly, as their halves' sums (a mean's too)
+        if values.is_floating_point():
+            parts = values.double()
         else:
             parts = torch.stack(halves(values), 1) if col.kind == "int" else values.long()
-            total = torch.zeros((k + 1, *parts.shape[1:]), dtype=torch.int64,
-                                device=values.device)
-            total = _joined(total.index_add_(0, gid, parts)[:k], col, how)
+        total = parts.new_zeros((k + 1, *parts.shape[1:]))
+        total = _joined(total.index_add_(0, gid, parts)[:k], col, how)
         if how == "mean":
             total = total / n_valid.clamp(min=1)
         return total, None if null is None else ~null

@@ -122,6 +122,12 @@ def _const_kind(x: object, column_kind: str | None = None) -> str:
         return "float"
     if isinstance(x, str):
         return "str"
+    if x is None:
+        raise TypeError(
+            "cannot use None in a column expression: a null is no value to compute with "
+            "(SQL's x = NULL is null, never true); test for nulls with .is_null(), replace "
+            "them with .fill_null(value), keep rows with where(mask, rows)"
+        )
     raise TypeError(
         f"cannot use {x!r} ({type(x).__name__}) in a column expression: use an int, "
         "float, bool, str, datetime.date, datetime.datetime or a Column"
@@ -140,14 +146,14 @@ def _result_kind(op: str, a: str, b: str) -> str:
                         "where(b, 1, 0) turns a bool column into ints")
     if a not in _NUMERIC or b not in _NUMERIC:
         raise TypeError(f"cannot {op} {a} and {b} values")
-    if op == "truediv" or "float" in (a, b):
+    if op in ("truediv", "pow") or "float" in (a, b):
         return "float"
     return "int"
 
 
 def _checked(op: str, kind: str) -> str:
     """The op to record: int arithmetic raises on overflow, as SQL's does (``_ints``)."""
-    return f"{op}_int" if kind == "int" and op in ("add", "sub", "mul", "neg") else op
+    return f"{op}_int" if kind == "int" and op in ("add", "sub", "mul", "neg", "abs") else op
 
 
 def _common_kind(a: str, b: str, what: str) -> str:
@@ -418,13 +424,36 @@ class Column:
     def __rtruediv__(self, o):
         return self._binary(o, "truediv", "/", flip=True)
 
+    def __pow__(self, o):
+        return self._binary(o, "pow", "**")
+
+    def __rpow__(self, o):
+        return self._binary(o, "pow", "**", flip=True)
+
+    def __floordiv__(self, o):
+        raise _no_integer_division("//")
+
+    __rfloordiv__ = __floordiv__
+
+    def __mod__(self, o):
+        raise _no_integer_division("%")
+
+    __rmod__ = __mod__
+
     def __neg__(self) -> Column:
+        return self._unary("neg", "negate", f"-{self.name}")
+
+    def __abs__(self) -> Column:
+        return self._unary("abs", "take abs of", f"abs({self.name})")
+
+    def _unary(self, op: str, verb: str, name: str) -> Column:
+        """``op`` of a number column (``verb`` names it in the error for other kinds)."""
         if self.kind not in ("int", "float"):
-            raise TypeError(f"cannot negate {self.describe()}")
-        op = _checked("neg", self.kind)
+            raise TypeError(f"cannot {verb} {self.describe()}")
+        op = _checked(op, self.kind)
         if self.valid is None and not self._is_scalar():
-            return self._lazy(Expr(op, (_data(self, op),)), self.kind, f"-{self.name}")
-        return self._like(OPS[op](_values(self, op)), valid=self.valid, name=f"-{self.name}")
+            return self._lazy(Expr(op, (_data(self, op),)), self.kind, name)
+        return self._like(OPS[op](_values(self, op)), valid=self.valid, name=name)
 
     def __lt__(self, o):
         return self._binary(o, "lt", "<", compare=True)
@@ -624,6 +653,16 @@ class Column:
                     f".order({G!r})), or list the grouped rows with rows.order({G!r}, {J!r})")
         own = ", ".join(map(repr, self.dims))
         return f"{self.describe()} is ordered by its own dim: .order({own})"
+
+
+def _no_integer_division(symbol: str) -> TypeError:
+    """The error for ``//`` and ``%``, which SQL and Python define differently."""
+    return TypeError(
+        f"'{symbol}' is not supported on columns: SQL's // and % round the quotient toward "
+        "zero (-7 // 2 is -3 and -7 % 2 is -1, where Python's give -4 and 1) and raise on a "
+        "zero divisor; divide with / (in floats), or compute on the tensors (column.values, "
+        "with column.valid marking the non-null values)"
+    )
 
 
 def _match_like(strings: pa.Array, pattern: str) -> pa.Array:

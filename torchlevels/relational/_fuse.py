@@ -42,9 +42,16 @@ def _true_divide(a, b):
     return torch.true_divide(a, b)
 
 
+def _power(a, b):
+    # SQL's ** (POW) computes in DOUBLE, whatever its operands
+    a, b = (x.double() if isinstance(x, torch.Tensor) else float(x) for x in (a, b))
+    return torch.pow(a, b)
+
+
 OPS = {
     "add": operator.add, "sub": operator.sub, "mul": operator.mul, "truediv": _true_divide,
-    "neg": operator.neg, "invert": operator.invert, "and": operator.and_, "or": operator.or_,
+    "pow": _power, "neg": operator.neg, "abs": torch.abs,
+    "invert": operator.invert, "and": operator.and_, "or": operator.or_,
     "lt": torch.lt, "le": torch.le, "gt": torch.gt, "ge": torch.ge, "eq": torch.eq,
     "ne": torch.ne, **COMPARISONS,  # the latter for NaN, which SQL orders above all
     **CHECKED,  # int arithmetic that raises on overflow, as SQL's does
@@ -132,14 +139,16 @@ def _reduce_one(values: torch.Tensor, keep, how: str):
         if keep is not None:
             return torch.count_nonzero(keep)
         return torch.tensor(values.shape[0], device=values.device)
+    if how == "sum" and values.dtype == torch.bool:  # the number of true values
+        return _reduce_one(values, keep, "count")
     if how == "min" and values.is_floating_point():  # SQL's: NaN only if every value is
         return from_order_key(_reduce_one(order_key(values), keep, how), values.dtype)
     if keep is not None:
         values = torch.where(keep, values, _identity(values, how))
-    if how == "sum" and not values.is_floating_point() and values.dtype != torch.bool:
+    if how == "sum" and not values.is_floating_point():
         return summed_halves(values)  # exact, or an overflow error: see _ints.whole
     if how == "sum":
-        return values.sum(dtype=torch.float64 if values.is_floating_point() else torch.int64)
+        return values.sum(dtype=torch.float64)
     return values.amin() if how == "min" else values.amax()
 
 

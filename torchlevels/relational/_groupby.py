@@ -184,7 +184,7 @@ def group_ids(keys: list[Column], mask=None):
         kept = torch.nonzero(evaluate(mask)).squeeze(1)
         gid, size, _, _ = group_ids([k.take(kept) for k in keys])
         out = torch.full((n,), size, dtype=torch.long, device=kept.device)
-        return out.index_put_((kept,), gid), size, None, None
+        return out.index_put_((kept,), evaluate(gid)), size, None, None
     if total < 2 ** 62:  # the codes combine in an int64: one sort
         uniq, gid = torch.unique(evaluate(combined), return_inverse=True)
         return gid, uniq.shape[0], None, None

@@ -33,13 +33,16 @@ _LOW_BITS = 0xFFFFFFFF
 
 def _overflow(where: torch.Tensor, symbol: str, *operands) -> None:
     """Raise for the first row of ``where`` (a bool tensor) whose ``symbol`` of
-    ``operands`` (one: a prefix op; two: an infix op) overflowed."""
+    ``operands`` (one: a prefix op or a function; two: an infix op) overflowed."""
     if not bool(where.any()):
         return
     row = torch.nonzero(where.reshape(-1))[0]
     values = [v.expand_as(where).reshape(-1)[row].item() if isinstance(v, torch.Tensor)
               else v for v in operands]
-    text = f" {symbol} ".join(map(str, values)) if len(values) == 2 else f"{symbol}{values[0]}"
+    if len(values) == 2:
+        text = f" {symbol} ".join(map(str, values))
+    else:
+        text = f"{symbol}({values[0]})" if symbol.isalpha() else f"{symbol}{values[0]}"
     raise OverflowError(f"int64 overflow: {text} does not fit in 64 bits (SQL's BIGINT); "
                         "compute in floats instead (multiply a column by 1.0)")
 
@@ -51,6 +54,7 @@ def _add(a, b):
 
 
 def _sub(a, b):
+    a, b = _int64(a), _int64(b)  # date - date: days are int32, their difference a BIGINT
     out = a - b
     _overflow(((a ^ b) & (a ^ out)) < 0, "-", a, b)  # a's sign differs from b's and out's
     return out
@@ -74,11 +78,20 @@ def _neg(a):
     return -a
 
 
+def _abs(a):
+    _overflow(a == INT64_MIN, "abs", a)
+    return a.abs()
+
+
 def _double(x):
     return x.double() if isinstance(x, torch.Tensor) else float(x)
 
 
-CHECKED = {"add_int": _add, "sub_int": _sub, "mul_int": _mul, "neg_int": _neg}
+def _int64(x):
+    return x.long() if isinstance(x, torch.Tensor) else x
+
+
+CHECKED = {"add_int": _add, "sub_int": _sub, "mul_int": _mul, "neg_int": _neg, "abs_int": _abs}
 
 
 def check_constant(value: int, what: str) -> int:

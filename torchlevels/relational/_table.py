@@ -17,6 +17,18 @@ def _unknown(name: object, available: Sequence[str], where: str) -> KeyError:
     return KeyError(f"no column {name!r} in {where}; available columns: {list(available)}")
 
 
+def unbound(x: object, what: str) -> TypeError:
+    """The error for ``x`` given to ``what``, which takes rows bound to dims: a Table and
+    its columns are positional, and are bound to a dim first (``table[D]``)."""
+    if isinstance(x, Table):
+        got = "a Table: bind its rows to a dim first (table[D])"
+    elif isinstance(x, Column):
+        got = f"{x.describe()}, not bound to a dim: take it from a row view (table[D][name])"
+    else:
+        got = f"a {type(x).__name__}: bind a table's rows to a dim (table[D])"
+    return TypeError(f"{what} takes rows bound to dims, got {got}")
+
+
 class Table:
     """A table of named 1-D columns of one length: ints, floats, bools, dates, timestamps,
     strings (dictionary-encoded), each with nulls. Index it with a dim to get a row view.
@@ -320,7 +332,7 @@ def cat(*parts: Rows) -> Rows:
     dims: list[Dim] = []
     for p in parts:
         if not isinstance(p, Rows):
-            raise TypeError(f"cat takes row views (table[D] or rows[[...]]), got {p!r}")
+            raise unbound(p, "cat")
         if p.groups is not None:
             raise ValueError("cat of grouped rows: reduce the groups first")
         for name in p.column_names:

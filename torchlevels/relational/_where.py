@@ -31,7 +31,7 @@ from torchlevels.relational._column import (
 )
 from torchlevels.relational._floats import order_key
 from torchlevels.relational._fuse import Expr, evaluate, evaluate_at, reduce
-from torchlevels.relational._table import Rows
+from torchlevels.relational._table import Rows, unbound
 
 _MISSING = object()
 BLOCK_ELEMENTS = 1 << 22  # pairs evaluated at once by a join with no equality
@@ -75,8 +75,11 @@ def where(condition, rows, other=_MISSING, *, keep: Dim | None = None):
         raise ValueError("where(..., keep=D) is for joins: the condition must span two dims")
     condition._expect("bool", "where")
     if len(condition.dims) != 1 or condition.groups is not None:
+        positional = not condition.dims and not condition._is_scalar()
+        hint = (": it is positional (computed from a Table's columns); compute it from a row "
+                "view, table[D]") if positional else ""
         raise ValueError(f"where: filter by a condition over one dim, got "
-                         f"{condition.describe()}")
+                         f"{condition.describe()}{hint}")
     (dim,) = condition.dims
     _check_over(rows, (dim,), condition)
     cache = condition._where_cache
@@ -166,6 +169,8 @@ def _filter_taker(rows: Rows, name: str, condition: Column, selection: Selection
 
 
 def _check_over(rows, dims: tuple[Dim, ...], condition) -> None:
+    if not isinstance(rows, Rows | Column) or not rows.dims:
+        raise unbound(rows, "where(condition, rows)")
     if not set(rows.dims) <= set(dims):
         raise ValueError(f"where: the rows are over {rows.dims!r} but the condition "
                          f"{condition.describe()} is over {dims!r}")
