@@ -1257,6 +1257,50 @@ def test_checkpoint_inside_grad():
         tl.grad(f)(X, True)
 
 
+# a transform called under no_grad inside grad: what it computes is a constant outside
+UNDER_NO_GRAD = {
+    "grad_and_value value": lambda lib, x, w: lib.grad_and_value(
+        lambda v: (v ** 3 * w).sum())(x)[1],
+    "grad": lambda lib, x, w: lib.grad(lambda v: (v ** 3 * w).sum())(x),
+    "grad has_aux aux": lambda lib, x, w: lib.grad(
+        lambda v: ((v * w).sum(), v.sin() * w), has_aux=True)(x)[1],
+    "vjp output": lambda lib, x, w: lib.vjp(lambda v: v.exp() * w, x)[0],
+    "vjp_fn": lambda lib, x, w: lib.vjp(lambda v: v.exp() * w, x)[1](x)[0],
+    "jacrev": lambda lib, x, w: lib.jacrev(lambda v: v.sin() * w)(x).sum(0),
+    "hessian": lambda lib, x, w: lib.hessian(lambda v: (v.sin() * w).sum())(x).sum(0),
+    "jvp output": lambda lib, x, w: lib.jvp(lambda v: v.exp() * w, (x,), (x,))[0],
+}
+
+
+@pytest.mark.parametrize("case", list(UNDER_NO_GRAD))
+@pytest.mark.parametrize("outer", ["grad", "vmap(grad)", "grad(grad)", "jvp", "jacrev"])
+def test_a_transform_called_under_no_grad_inside_grad_is_a_constant_there(case, outer):
+    """torch.func keeps each grad level's grad mode as at its entry: a transform entered
+    under no_grad inside grad(h) computes a constant for h's level (and the levels around),
+    whose own gradient (here of x ** 3 * c) leaves it out; the captured w is h's input
+    too. Forward mode, jvp outside, still sees the tangent through it."""
+    def h(lib):
+        def h(x, w):
+            with torch.no_grad():
+                c = UNDER_NO_GRAD[case](lib, x, w)
+            return (x ** 3 * c * w).sum()
+        return h
+
+    def run(lib):
+        f = h(lib)
+        if outer == "grad":
+            return lib.grad(f, argnums=(0, 1))(X, Y)
+        if outer == "vmap(grad)":
+            return lib.vmap(lib.grad(f, argnums=(0, 1)), in_dims=(0, None))(X.expand(2, 3), Y)
+        if outer == "grad(grad)":
+            return lib.grad(lambda x, w: lib.grad(f)(x, w).sum(), argnums=(0, 1))(X, Y)
+        if outer == "jvp":
+            return lib.jvp(f, (X, Y), (Y, X))
+        return lib.jacrev(lib.grad(f), argnums=(0, 1))(X, Y)
+
+    assert_tree_close(run(tl), run(tf))
+
+
 @pytest.mark.parametrize("lib", [tf, tl], ids=["torch.func", "torchlevels"])
 def test_a_refused_saved_tensor_hook_leaves_hooks_usable_afterwards(lib):
     """hessian under save_on_cpu raises in both libraries; afterwards, save_on_cpu works

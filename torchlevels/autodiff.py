@@ -179,6 +179,9 @@ class GradLevel(Level):
         self.in_backward = False  # its backward pass runs (see backward_pass)
         self.hosts_jvp = False  # whether a jvp level was entered inside (see _without_tangent)
         self.hooks = contextlib.ExitStack()  # saved-tensor hooks refused while it is live
+        # how many grad levels entered with grad mode off are live inside: meanwhile
+        # nothing is recorded on our graph (see paused_outside)
+        self.paused = 0
 
     def refuse_saved_tensor_hooks(self) -> None:
         """Refuse saved-tensor hooks (``torch.utils.checkpoint``) until the level exits, as
@@ -233,6 +236,12 @@ class GradLevel(Level):
         return wrap_all(cls, out)
 
     def dispatch(self, cls, func, args, kwargs):
+        if self.paused:  # a grad level inside was entered with grad mode off
+            with torch.no_grad():
+                return self._dispatch(cls, func, args, kwargs)
+        return self._dispatch(cls, func, args, kwargs)
+
+    def _dispatch(self, cls, func, args, kwargs):
         if not self.captures_tracked:
             self.captures_tracked = _captures_tracked(cls, args) or (
                 bool(kwargs) and _captures_tracked(cls, kwargs.values()))
@@ -1254,11 +1263,29 @@ def grad_level(name: str = "grad") -> Iterator[type[LevelTensor]]:
     # grad(f) inside no_grad or inference_mode still differentiates, as torch.func's does
     # (nn.TransformerEncoderLayer and nn.MultiheadAttention take fused inference kernels,
     # which have no derivatives, when no argument requires grad: a level's never do)
-    with (entered(cls), inference_mode_off(), torch.enable_grad(), predispatch.hook(),
-          mha_fastpath_off, level.hooks):
+    with (paused_outside(cls), entered(cls), inference_mode_off(), torch.enable_grad(),
+          predispatch.hook(), mha_fastpath_off, level.hooks):
         if level.nested_in_autodiff or fwAD._current_level >= 0:
             level.refuse_saved_tensor_hooks()
         yield cls
+
+
+@contextlib.contextmanager
+def paused_outside(cls: type[LevelTensor]) -> Iterator[None]:
+    """While grad level ``cls`` is live, if grad mode is off as it is entered (``grad(f)``
+    called under ``torch.no_grad()``), the grad levels around it record nothing, as
+    torch.func keeps each level's grad mode as it was when the level was entered: what
+    ``f`` computes, its value and its gradient, is a constant to them. ``cls`` itself
+    records, as ``grad`` turns grad mode on inside."""
+    outside = [] if torch.is_grad_enabled() else [
+        c._level for c in autodiff_classes(cls.__base__) if isinstance(c._level, GradLevel)]
+    for level in outside:
+        level.paused += 1
+    try:
+        yield
+    finally:
+        for level in outside:
+            level.paused -= 1
 
 
 _HOOKS_REFUSED = (

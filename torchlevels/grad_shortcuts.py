@@ -74,7 +74,8 @@ def torch_function(cls, func, types, args=(), kwargs=None):
     """A grad level class's ``__torch_function__``: one of :data:`CALLS` on the inner
     tensors, with autograd recording it there, if nothing about it is unusual."""
     kwargs = kwargs or _EMPTY
-    if func in CALLS and cls._level.alive and forward_ad._current_level < 0:
+    level = cls._level
+    if func in CALLS and level.alive and not level.paused and forward_ad._current_level < 0:
         # reading our tensors' flags here skips a trip through this hook; the levels inside
         # see the call's ops at their dispatch
         with _no_subclass_torch_function():
