@@ -6,6 +6,7 @@ satisfied by an accidental one-letter match.
 
 import re
 
+import numpy as np
 import pytest
 import torch
 
@@ -213,8 +214,36 @@ def test_dims_take_names_from_assigned_variables(dimlib):
 
 @pytest.mark.parametrize("n", [-1, 1.5, True])
 def test_dims_of_a_bad_count_raise(dimlib, n):
-    with pytest.raises(ValueError, match="n must be an int >= 1"):
+    with pytest.raises(ValueError, match="n must be an int >= 0"):
         dimlib.dims(n)
+
+
+def test_no_dims_is_an_empty_tuple_as_in_functorch_dim(dimlib):
+    import functorch.dim
+
+    assert dimlib.dims(0) == functorch.dim.dims(0)
+    assert dimlib.dims(sizes=[]) == functorch.dim.dims(sizes=[])
+
+
+def test_sizes_of_any_int_type_are_taken_as_in_functorch_dim(dimlib):
+    import functorch.dim
+
+    def program(D):
+        rows, cols = D.dims(sizes=[np.int64(3), None])
+        depth = D.dims(1)
+        depth.size = torch.tensor(2)
+        return [int(d.size) for d in (rows, depth)], cols.is_bound
+
+    assert program(dimlib) == program(functorch.dim)
+    width = dimlib.dims(1)
+    for size in (2.0, True, torch.tensor(2.0), -1):
+        with pytest.raises(dimlib.DimensionBindError, match="size must be a non-negative int"):
+            width.size = size
+
+
+def test_unpacking_one_dim_says_dims_1_is_a_dim(dimlib):
+    with pytest.raises(TypeError, match=r"dims\(1\) returns a single Dim"):
+        (single,) = dimlib.dims(1)
 
 
 # --------------------------------------------------------------------------------------

@@ -170,6 +170,42 @@ def test_diagonal_and_gather_of_a_dims_tensor():
     assert_close(got, values[torch.arange(4), lengths])
 
 
+_OWN_DIM_INDEXES = {
+    "getitem": lambda D, A: (lambda i: A[i][i])(D.dims(1)),
+    "index_method": lambda D, A: (lambda i, j: A[i, j].index(j, i))(*D.dims(2)),
+    "with_another_dim": lambda D, A: (lambda j, i: A[None].expand(2, 3, 4)[j, i][i])(*D.dims(2)),
+    "beside_a_tensor_index": lambda D, A: (
+        lambda i, j: A[None].expand(2, 3, 4)[i][torch.tensor([[1, 0], [0, 1]])[i, j], i])(
+            *D.dims(2)),
+}
+
+
+@pytest.mark.parametrize("name", list(_OWN_DIM_INDEXES))
+def test_a_dim_the_tensor_has_indexes_a_dim_of_another_size_by_its_values(name):
+    """``A[i][i]`` for a 3x4 ``A``: i is the tensor of its values 0, 1, 2 (Rule 3), which
+    index the dim of size 4, as in functorch.dim."""
+    import functorch.dim as functorch_dim
+
+    A = torch.arange(12.).reshape(3, 4)
+    ours = _OWN_DIM_INDEXES[name](torchlevels.dim, A)
+    theirs = _OWN_DIM_INDEXES[name](functorch_dim, A)
+    assert tuple(map(repr, ours.dims)) == tuple(map(repr, theirs.dims))
+    assert torch.equal(ours.order(*ours.dims), theirs.order(*theirs.dims))
+
+
+def test_assigning_through_a_dim_the_tensor_has_writes_where_it_reads():
+    import functorch.dim as functorch_dim
+
+    def program(D):
+        A = torch.arange(12.).reshape(3, 4)
+        i = D.dims(1)
+        x = A[i]
+        x[i] = -1.0
+        return A
+
+    assert torch.equal(program(torchlevels.dim), program(functorch_dim))
+
+
 @pytest.mark.parametrize("case", ["positional", "first-class", "bound", "uneven", "torch.split"])
 def test_split_into_dims_matches_functorch_dim(case):
     import functorch.dim as functorch_dim

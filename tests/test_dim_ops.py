@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch.testing import assert_close
+from vmap_reference import seeded
 
 import torchlevels.dim as tdim
 from torchlevels.dim import dimlists, dims
@@ -143,6 +144,19 @@ def test_a_dim_cannot_be_changed_in_place():
         i.unsqueeze_(0)
 
 
+@pytest.mark.parametrize("write", [
+    lambda i, j: i.order(i).add_(10),
+    lambda i, j: i.contiguous().add_(10),
+    lambda i, j: i.expand(j).order(j, i).add_(10),
+], ids=["order", "contiguous", "expand"])
+def test_writing_to_a_tensor_made_from_a_dim_leaves_the_dim_alone(write):
+    i, j = dims(2)
+    i.size, j.size = 4, 1
+    write(i, j)
+    assert torch.equal((i * 1).order(i), torch.arange(4))
+    assert torch.equal(i.order(i), torch.arange(4))
+
+
 def test_augmented_assignment_to_a_dim_rebinds_the_name():
     i = dims(1)
     i.size = 3
@@ -188,6 +202,42 @@ def test_cumsum_in_place_along_a_first_class_dim(A):
     assert_close(X, A.cumsum(1))
 
 
+@pytest.mark.parametrize("call, expected", [
+    (lambda x, i, k: x.flip(i, k), lambda A: A.flip(0, 2)),
+    (lambda x, i, k: x.flip(k, 0), lambda A: A.flip(2, 1)),
+    (lambda x, i, k: x.flip(0, k), lambda A: A.flip(1, 2)),
+], ids=["dims", "dim_then_positional", "positional_then_dim"])
+def test_flip_takes_several_dims_as_separate_arguments_as_torch_does(A, call, expected):
+    """functorch.dim raises for these: the reference is flip on positional dims."""
+    i, k = dims(2)
+    assert_close(call(A[i, :, k], i, k).order(i, k), expected(A).permute(0, 2, 1))
+
+
+@pytest.mark.parametrize("call", [
+    lambda x, q, k: torch.quantile(x, q, dim=k),
+    lambda x, q, k: torch.quantile(x, q, k),
+    lambda x, q, k: x.nanquantile(q=q, dim=k),
+], ids=["function", "positional", "method_keywords"])
+def test_a_reduction_whose_other_argument_has_dims_batches_over_them(call):
+    """``q`` has a dim of its own, j (functorch.dim raises): the result has i and j, and
+    is the loop over both."""
+    A, Q = torch.randn(3, 5), torch.tensor([0.0, 0.3, 0.5, 1.0])
+    i, j, k = dims(3)
+    r = call(A[i, k], Q[j], k)
+    assert set(r.dims) == {i, j} and r.ndim == 0
+    loop = torch.stack([torch.stack([torch.quantile(a, q) for q in Q]) for a in A])
+    assert_close(r.order(i, j), loop)
+    x = A[i, k]  # and shared dims: q's i is x's, so each row takes its own q
+    assert_close(torch.quantile(x, Q[:3][i], dim=k).order(i),
+                 torch.stack([torch.quantile(a, q) for a, q in zip(A, Q[:3])]))
+
+
+def test_an_op_keeping_a_dim_whose_other_argument_has_dims_is_a_clear_error():
+    i, j, k = dims(3)
+    with pytest.raises(ValueError, match="takes no other argument with first-class dims"):
+        torch.randn(3, 5)[i, k].renorm(2, k, torch.ones(2)[j])
+
+
 @pytest.mark.parametrize("name, call", [
     ("narrow", lambda x, j: x.narrow(j, 0, 2)), ("diff", lambda x, j: x.diff(dim=j)),
     ("topk", lambda x, j: x.topk(2, j)), ("chunk", lambda x, j: x.chunk(2, j)),
@@ -215,6 +265,63 @@ def test_a_product_changed_in_place_is_summed_as_changed():
     p = C[i, k] * B[k, j]
     p.mul_(2)
     assert_close(p.sum(k).order(i, j), 2 * C @ B)
+
+
+@pytest.mark.parametrize("read", ["sum", "product"])
+@pytest.mark.parametrize("changed", ["lhs", "rhs"])
+def test_a_product_whose_operand_changed_in_place_since_is_refused(changed, read):
+    """The product is delayed (to run its sum as a matmul), so it would read the operand
+    as changed, where functorch.dim gives the product as it was written (ours without the
+    change): refused, as autograd refuses a saved tensor changed in place."""
+    C, B = torch.randn(3, 4), torch.randn(4, 5)
+
+    def program(D, change):
+        i, j, k = D.dims(3)
+        C2, B2 = C.clone(), B.clone()
+        p = C2[i, k] * B2[k, j]
+        if change:
+            (C2 if changed == "lhs" else B2).add_(100.0)
+        return p.sum(k).order(i, j) if read == "sum" else p.order(i, k, j)
+
+    assert_close(program(tdim, False), program(fdim, True))
+    with pytest.raises(RuntimeError, match="modified in place after it was made"):
+        program(tdim, True)
+
+
+@pytest.mark.parametrize("read", ["sum", "mean", "lookup"])
+def test_a_lookup_whose_table_changed_in_place_since_is_refused(read):
+    """As for products: the lookup is delayed (to run as embedding_bag)."""
+    W, ids = torch.randn(6, 3), torch.randint(0, 6, (2, 4))
+
+    def program(D, change):
+        b, s, f = D.dims(3)
+        W2 = W.clone()
+        e = W2[ids[b, s], f]
+        if change:
+            W2.zero_()
+        return getattr(e, read)(s).order(b, f) if read != "lookup" else e.order(b, s, f)
+
+    assert_close(program(tdim, False), program(fdim, True))
+    with pytest.raises(RuntimeError, match="modified in place after it was made"):
+        program(tdim, True)
+
+
+@pytest.mark.parametrize("dtypes", [(torch.float32, torch.float64),
+                                    (torch.float16, torch.float32)], ids=["f32_f64", "f16_f32"])
+def test_a_contraction_sums_a_dim_of_one_operand_in_the_promoted_dtype(dtypes):
+    """k is in A only, so it is summed before the matmul: in the product's dtype, as
+    functorch.dim sums the product."""
+    g = seeded(0)
+    A = torch.randn(4, 4000, generator=g).to(dtypes[0])
+    B = torch.randn(4, 2, generator=g, dtype=dtypes[1])
+
+    def program(D):
+        i, j, k = D.dims(3)
+        return (A[i, k] * B[i, j]).sum((i, k)).order(j)
+
+    ours, theirs = program(tdim), program(fdim)
+    assert ours.dtype == theirs.dtype == dtypes[1]
+    assert_close(ours, theirs)
 
 
 # -- reducing over an empty dim list -------------------------------------------------------
@@ -287,3 +394,17 @@ def test_a_list_of_dims_as_the_whole_index_is_a_tuple_of_dims():
     assert torch.equal(z, x + 1)
     k = dims(1)
     assert torch.equal(x[k][[0, 2]].order(k), x[:, [0, 2]])  # ints: still one index
+
+
+# -- ops whose output size depends on the values, over two dims -----------------------------
+def test_nonzero_and_masked_select_over_two_dims_follow_the_loop():
+    """Every (i, j) has the same count: the result is the loop's, stacked."""
+    A = torch.randn(2, 3, 4, generator=seeded(0)) + 10  # no zeros
+    i, j = dims(2)
+    loop = torch.stack([torch.stack([a.nonzero() for a in row]) for row in A])
+    assert torch.equal(A[i, j].nonzero().order(i, j), loop)
+    x = A[i, j]
+    loop = torch.stack([torch.stack([a.masked_select(a > 100) for a in row]) for row in A])
+    assert torch.equal(x.masked_select(x > 100).order(i, j), loop)
+    loop = torch.stack([torch.stack([a.masked_select(a > 0) for a in row]) for row in A])
+    assert torch.equal(x.masked_select(x > 0).order(i, j), loop)

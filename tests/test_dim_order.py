@@ -23,6 +23,8 @@ IDS = torch.randint(0, 10, (3, 4), generator=g)
 I4 = torch.randint(0, 4, (3, 2), generator=g)
 I5 = torch.randint(0, 5, (2, 3), generator=g)
 Y = torch.randn(5, 3, 6, generator=g)
+BND = torch.tensor([-1.0, 0.0, 1.0])
+S = torch.sort(torch.randn(2, 7, generator=g)).values
 
 
 def _x(D):
@@ -64,7 +66,24 @@ PROGRAMS = {
     "max_other": lambda D: torch.max(*_xy(D)),
     "floor_divide": lambda D: (lambda x, y: x // y)(*_xy(D)),
     "isclose": lambda D: torch.isclose(*_xy(D)),
+    # vmapped by both; functorch.dim's rules leave the input's batch dims in place
+    "bucketize": lambda D: torch.bucketize(_x(D), BND),
+    "searchsorted": lambda D: torch.searchsorted(BND, _x(D)),
+    "index_fill": lambda D: _x(D).index_fill(1, torch.tensor([2, 0]), 0.0),
+    "torch_index_fill": lambda D: torch.index_fill(_x(D), 0, torch.tensor([1]), 0.0),
 }
+
+
+def _searchsorted_in_sequences_with_dims(D):
+    """k is the sequence's, made first; x's dims, made after it, keep x's order."""
+    k, j, i = D.dims(3)
+    return torch.searchsorted(S[k], X[i, j])
+
+
+def _bucketize_dims_made_before_and_after(D):
+    """x's dims made after k (m, i) keep x's order, after j and k."""
+    j, k, m, i = D.dims(4)
+    return torch.bucketize(X[i, m, j], S[k])
 
 
 def _products(D):
@@ -152,8 +171,9 @@ def _index_pack(D):
 
 
 PROGRAMS.update({f.__name__.lstrip("_"): f for f in (
-    _products, _product_kept_shared, _inplace, _stack, _torch_stack, _cat_dim,
-    _cat_positional, _lookup_feature_first, _index_after_own_dim, _dim_expression, _dim_twice,
+    _searchsorted_in_sequences_with_dims, _bucketize_dims_made_before_and_after, _products,
+    _product_kept_shared, _inplace, _stack, _torch_stack, _cat_dim, _cat_positional,
+    _lookup_feature_first, _index_after_own_dim, _dim_expression, _dim_twice,
     _own_dim_again, _two_index_tensors_apart, _index_method, _index_function, _index_pack,
 )})
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import dis
 import functools
 import inspect
+import operator
 from collections.abc import Sequence
+from typing import SupportsIndex
 
 import torch
 
@@ -38,7 +40,7 @@ class Dim(_Tensor):
         (torch.Size([3, 2]), 2, 3)
     """
 
-    __slots__ = ("_name", "_size", "_ranges", "_serial")
+    __slots__ = ("_name", "_size", "_serial")
 
     def __init__(self, name: str, size: int | None = None) -> None:
         global _created
@@ -48,7 +50,6 @@ class Dim(_Tensor):
         self._serial = _created
         _created += 1
         self._size = -1
-        self._ranges: dict[torch.device, torch.Tensor] = {}
         if size is not None:
             self.size = size
 
@@ -62,17 +63,21 @@ class Dim(_Tensor):
         return self._size
 
     @size.setter
-    def size(self, size: int) -> None:
-        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+    def size(self, size: SupportsIndex) -> None:
+        try:  # any int: Python's, numpy's, an integer tensor of one element
+            n = -1 if isinstance(size, bool) else operator.index(size)
+        except TypeError:
+            n = -1
+        if n < 0:
             raise DimensionBindError(
                 f"Dim '{self._name}' size must be a non-negative int, got {size!r}"
             )
         if self._size == -1:
-            self._size = size
-        elif self._size != size:
+            self._size = n
+        elif self._size != n:
             raise DimensionBindError(
                 f"Dim '{self._name}' previously bound to a dimension of size {self._size} "
-                f"cannot bind to a dimension of size {size}"
+                f"cannot bind to a dimension of size {n}"
             )
 
     @property
@@ -89,15 +94,19 @@ class Dim(_Tensor):
         return self.range(torch.get_default_device())
 
     def range(self, device: torch.device) -> torch.Tensor:
-        """``arange(size)`` on ``device``, made once per device."""
-        r = self._ranges.get(device)
-        if r is None or r.shape[0] != self.size:
-            r = self._ranges[device] = torch.arange(self.size, device=device)
-        return r
+        """``arange(size)`` on ``device``, a new tensor each time: results that are views
+        of it (``i.order(i)``, ``i.expand(j)``) may be written to."""
+        return torch.arange(self.size, device=device)
 
     @property
     def ndim(self) -> int:
         return 0
+
+    def __len__(self) -> int:
+        raise TypeError(
+            f"len() of dim {self._name}, which has no positional dims (dims(1) returns a "
+            f"single Dim, not a tuple of one: write {self._name} = dims(1))"
+        )
 
     def __repr__(self) -> str:
         return self._name
@@ -211,12 +220,12 @@ def _make(kind: str, n: int | None, sizes: Sequence | None, factory) -> object:
     finally:
         del frame
     if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 0):
-        raise ValueError(f"{kind}(n={n!r}): n must be an int >= 1 (or None, to count the "
+        raise ValueError(f"{kind}(n={n!r}): n must be an int >= 0 (or None, to count the "
                          "names assigned)")
     if sizes is not None and n is not None and len(sizes) != n:
         raise ValueError(f"{kind}(n={n}, sizes={list(sizes)}): n and len(sizes) differ")
     count = n if n is not None else (len(sizes) if sizes is not None else len(names))
-    if count == 0:
+    if count == 0 and n is None and sizes is None:
         raise SyntaxError(
             f"{kind}() must be assigned to a sequence of variable names or have argument n "
             "specified"
@@ -228,9 +237,10 @@ def _make(kind: str, n: int | None, sizes: Sequence | None, factory) -> object:
 
 
 def dims(n: int | None = None, sizes: Sequence[int | None] | None = None) -> Dim | tuple[Dim, ...]:
-    """Make ``n`` new first-class dims (one ``Dim``, or a tuple when ``n > 1``), named after
-    the variables they are assigned to. ``sizes`` sets sizes up front (None leaves one
-    unbound); with neither argument, as many dims as there are names on the left.
+    """Make ``n`` new first-class dims (one ``Dim`` for ``n == 1``, else a tuple: ``()`` for
+    ``n == 0``), named after the variables they are assigned to. ``sizes`` sets sizes up
+    front (None leaves one unbound); with neither argument, as many dims as there are names
+    on the left.
 
     Example::
 

@@ -2,7 +2,9 @@
 
 Dims, slices, ints and ``None`` only need views (a dim used twice takes a diagonal).
 Indices that are tensors (with dims or not) run one advanced-indexing gather, with every
-dim of every index broadcast by Rule 1 and ints placed as torch places them.
+dim of every index broadcast by Rule 1 and ints placed as torch places them; so does a dim
+the tensor has already that indexes a dim of another size (it is the tensor of its
+values, Rule 3: ``A[i][i]``).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ def getitem(x: Any, index: Any) -> Any:
     if fast is not None:
         return fast
     t, items = _parse(t, own, index)
-    if any(_is_advanced(i) for i in items):
+    if any(_is_advanced(i) for i in items) or _own_dim_indexes_another_size(t, own, items):
         lookup = _lookup.delayed(t, own, items, lambda: _gather(t, own, items))
         if lookup is not None:
             return lookup
@@ -101,7 +103,7 @@ def setitem(x: Any, index: Any, value: Any) -> None:
         index = tuple(index)
     t, own = (storage(x, None), x._dims) if isinstance(x, _Tensor) else (x, ())
     t, items = _parse(t, own, index)
-    if any(_is_advanced(i) for i in items):
+    if any(_is_advanced(i) for i in items) or _own_dim_indexes_another_size(t, own, items):
         _scatter(t, own, items, value)
         return
     view = _view(t, own, items)
@@ -142,6 +144,18 @@ def _is_advanced(item: Any) -> bool:
     return isinstance(item, (torch.Tensor, list)) or (
         isinstance(item, _Tensor) and type(item) is not Dim
     )
+
+
+def _own_dim_indexes_another_size(t: torch.Tensor, own: tuple, items: list) -> bool:
+    """Whether a dim of ``own`` indexes a positional dim of another size (``A[i][i]`` for
+    a 3x4 ``A``): as a tensor index of its values (Rule 3) it gathers; with the same size
+    it takes a diagonal, a view."""
+    axis = len(own)
+    for i in items:
+        if type(i) is Dim and find(own, i) >= 0 and i.size != t.shape[axis]:
+            return True
+        axis += i is not None
+    return False
 
 
 def _mask_indices(mask: torch.Tensor, shape: torch.Size, at: int) -> tuple:
@@ -303,8 +317,9 @@ def _gather_plan(t: torch.Tensor, own: tuple, items: list) -> tuple:
     basic = [slice(None) if gathers(i) or isinstance(i, Dim) else i for i in items]
     t = t[(*[slice(None)] * len(own), *basic)]
     labels: list = []  # per axis of t: a Dim, None (positional) or ("gather", index)
-    for d in own:
-        labels.append(("gather", d) if find(index_dims, d) >= 0 else d)
+    for d in own:  # gathered with the indices it is in (or is), so that they pair up
+        indexes = find(index_dims, d) >= 0 or find(tuple(items), d) >= 0
+        labels.append(("gather", d) if indexes else d)
     # where torch places the index's positional dims: in the loop model a dim is an int,
     # and torch selects ints (and 0-dim tensors) first; the tensor indices with dims of
     # their own go where they stand if adjacent once those are gone, else first
@@ -322,9 +337,11 @@ def _gather_plan(t: torch.Tensor, own: tuple, items: list) -> tuple:
         if isinstance(d, Dim):
             d.size = t.shape[k]
     gathered = [k for k, e in enumerate(labels) if isinstance(e, tuple)]
-    for k in gathered:  # dims used as indices of their own axis bind to it
+    # a dim used as an index binds to the axis it indexes, unless the tensor has it
+    # already: then it indexes by its values (Rule 3)
+    for k in gathered:
         i = labels[k][1]
-        if type(i) is Dim:
+        if type(i) is Dim and find(own, i) < 0:
             i.size = t.shape[k]
     indices = [_as_index(labels[k][1], t.device) for k in gathered]
     dims, ndim, _ = union(indices)

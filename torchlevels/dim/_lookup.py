@@ -1,7 +1,9 @@
 """Embedding lookups summed over their index's dims run as one ``embedding_bag``.
 
 ``W[ids[b, s], f]`` is delayed: if ``.sum(s)`` or ``.mean(s)`` follows, the pair is
-``F.embedding_bag`` (no (b, s, f) tensor is made); any other use runs the gather.
+``F.embedding_bag`` (no (b, s, f) tensor is made); any other use runs the gather. Either
+reads ``W`` and ``ids`` then, so if one was modified in place since the lookup was
+written, it raises (see ``_ops.Delayed``).
 """
 
 from __future__ import annotations
@@ -20,11 +22,12 @@ class DelayedLookup(Delayed):
     with dims only, and its columns bound to the dim ``feature``."""
 
     __slots__ = ("_table", "_ids", "_feature", "_run")
+    _what = ("a lookup table[ids, feature] (delayed to run a following .sum() or .mean() as "
+             "an embedding_bag)")
 
     def __init__(self, table: torch.Tensor, ids: Tensor, feature: Dim, run) -> None:
+        super().__init__((*ids._dims, feature), table, ids._tensor)
         self._table, self._ids, self._feature, self._run = table, ids, feature, run
-        self._value = None
-        self._dims = (*ids._dims, feature)
 
     def _compute(self) -> torch.Tensor:
         return self._run()._tensor

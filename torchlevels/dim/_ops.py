@@ -88,16 +88,38 @@ class Tensor(_Tensor):
 
 
 class Delayed(Tensor):
-    """A tensor with dims whose value is computed (once) only if something reads it."""
+    """A tensor with dims whose value is computed (once) only if something reads it, from
+    ``inputs`` read then: if one was modified in place in between, the value would see the
+    change, so reading it raises instead (as autograd refuses a saved tensor modified in
+    place). ``_what`` says what the value is and what delaying it is for."""
 
-    __slots__ = ("_value",)
+    __slots__ = ("_value", "_inputs", "_versions")
+    _what = ""
+
+    def __init__(self, dims: tuple[Dim, ...], *inputs: torch.Tensor) -> None:
+        self._dims = dims
+        self._value = None
+        self._inputs = inputs
+        self._versions = tuple(t._version for t in inputs)
 
     def _compute(self) -> torch.Tensor:
         raise NotImplementedError
 
+    def _check_inputs(self) -> None:
+        """Raise if an input was modified in place since this tensor was made."""
+        for t, version in zip(self._inputs, self._versions):
+            if t._version != version:
+                raise RuntimeError(
+                    f"{self._what}: a tensor it reads, of shape {tuple(t.shape)}, was "
+                    f"modified in place after it was made (version {version}, now "
+                    f"{t._version}), so it would see the change. Use it before modifying "
+                    "the tensor, or make it from a .clone()"
+                )
+
     @property
     def _tensor(self) -> torch.Tensor:
         if self._value is None:
+            self._check_inputs()
             self._value = self._compute()
         return self._value
 
@@ -191,6 +213,10 @@ def torch_function(func, args: tuple, kwargs: dict) -> Any:
         out = batched(func, args, kwargs)
         dims = union(tree_flatten((args, kwargs))[0])[0]
         return tree_map(lambda o: reorder(o, dims), out)
+    if func in _order_rules()[2]:
+        out = batched(func, args, kwargs)
+        dims = _in_place_order(func, args, kwargs)
+        return tree_map(lambda o: reorder(o, dims), out)
     return batched(func, args, kwargs)
 
 
@@ -215,6 +241,10 @@ _VMAPPED = ("fmax", "fmin", "logaddexp", "logaddexp2", "masked_fill", "max", "mi
 _ALIGNED = ("floor_divide", "__floordiv__", "__rfloordiv__", "isclose", "isreal", "kron",
             "outer", "addr", "polar", "trapz", "prelu", "dropout", "feature_dropout",
             "threshold", "glu", "hardswish", "logsigmoid")
+# under vmap in both, but where the argument at this position is the only one batched,
+# functorch.dim's batching rule leaves its batch dim in place, and this project's moves it
+# to the front (see _in_place_order)
+_IN_PLACE = {"bucketize": 0, "searchsorted": 1, "index_fill": 0}
 
 
 @functools.cache
@@ -237,14 +267,36 @@ def _dim_given(func, args: tuple, kwargs: dict) -> bool:
 
 
 @functools.cache
-def _order_rules() -> tuple[frozenset, frozenset]:
-    """(ops pointwise here that functorch.dim vmaps, ops vmapped here that it aligns)."""
+def _order_rules() -> tuple[frozenset, frozenset, dict]:
+    """(ops pointwise here that functorch.dim vmaps, ops vmapped here that it aligns,
+    ops whose batch dims its batching rule leaves in place -> the position of the input
+    it leaves them in)."""
     def funcs(names):
         found = {getattr(owner, n, None) for n in names
                  for owner in (torch.Tensor, torch, torch.nn.functional)}
         return frozenset(f for f in found if f is not None)
 
-    return funcs(_VMAPPED) | {torch.Tensor.where}, funcs(_ALIGNED)
+    in_place = {f: at for n, at in _IN_PLACE.items() for f in funcs([n])}
+    return funcs(_VMAPPED) | {torch.Tensor.where}, funcs(_ALIGNED), in_place
+
+
+def _in_place_order(func, args: tuple, kwargs: dict) -> tuple:
+    """functorch.dim's order of the dims of ``func``'s result, ``func`` in ``_IN_PLACE``:
+    its vmap levels nest in creation order, and at the innermost ones, where only the
+    input ``x`` is batched, the rule leaves the batch dims in place. So the dims of ``x``
+    made after every dim of the other arguments keep their order in ``x``, after the rest,
+    which come in creation order (all of them do for searchsorted with a sorted sequence
+    of more than one dim: its rule puts each batch dim before the last dim)."""
+    at = _order_rules()[2][func]
+    x = args[at] if len(args) > at else None
+    inner: tuple = ()
+    if isinstance(x, Tensor) and not (func is torch.searchsorted and args[0].ndim > 1):
+        others = [a for k, a in enumerate(args) if k != at]
+        last = max((d._serial for d in union(tree_flatten((others, kwargs))[0])[0]),
+                   default=-1)
+        inner = tuple(d for d in x._dims if d._serial > last)
+    everything = union(tree_flatten((args, kwargs))[0])[0]
+    return (*sorted((d for d in everything if find(inner, d) < 0), key=_created), *inner)
 
 
 def reorder(o: Any, dims: tuple) -> Any:

@@ -3,7 +3,8 @@
 
 ``A[i, k] * B[k, j]`` is delayed: if ``.sum(k)`` follows, the pair becomes one matmul
 (``A @ B``; batched over shared dims that are kept), and the full product never exists;
-any other use computes the product.
+any other use computes the product. Either reads ``A`` and ``B`` then, so if one was
+modified in place since the product was written, it raises (see ``_ops.Delayed``).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import math
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map
 
 from torchlevels.dim._base import _Tensor
 from torchlevels.dim._dims import Dim, DimList
@@ -24,9 +25,11 @@ from torchlevels.dim._ops import (
     _axes,
     _created,
     find,
+    order,
     pointwise,
     reorder,
     storage,
+    torch_function,
     union,
     wrap,
 )
@@ -74,6 +77,8 @@ def _names_dims(spec: Any) -> bool:
 
 def with_dims(func, args: tuple, kwargs: dict, pos: int, reduces: bool, single: bool) -> Any:
     """Rule 2 for ``func``; NotImplemented when its dim argument names no first-class dim."""
+    if func is torch.Tensor.flip and len(args) > 2:
+        args = (args[0], args[1:])  # x.flip(i, k): Tensor.flip takes dims as arguments too
     in_kwargs = "dim" in kwargs
     spec = kwargs["dim"] if in_kwargs else (args[pos] if len(args) > pos else None)
     if not _names_dims(spec):
@@ -87,6 +92,7 @@ def with_dims(func, args: tuple, kwargs: dict, pos: int, reduces: bool, single: 
             not kwargs.keys() - {"dim"} and all(isinstance(e, (Dim, DimList)) for e in entries):
         summed = tuple(d for e in entries for d in (e if isinstance(e, DimList) else [e]))
         _check_once(name, [id(d) for d in summed], spec)
+        x._check_inputs()
         if type(x) is _DelayedMul and name == "sum":
             return _dot(x, summed)
         if type(x) is DelayedLookup and name in ("sum", "mean"):
@@ -103,19 +109,26 @@ def with_dims(func, args: tuple, kwargs: dict, pos: int, reduces: bool, single: 
             f"{name}(keepdim=True) cannot keep the first-class dims of {spec}; drop keepdim "
             "or reduce positional dims only"
         )
-    dims, _, device = union([a for a in args if isinstance(a, _Tensor)])
-    if not all(d is e for d, e in zip(dims, x._dims)):
-        return NotImplemented  # other arguments bring dims of their own
-    t = storage(x, device)
+    others = (args[1:], {n: v for n, v in kwargs.items() if n != "dim"}) if in_kwargs \
+        else (args[1:pos] + args[pos + 1:], kwargs)
+    if any(isinstance(a, _Tensor) for a in tree_flatten(others)[0]):
+        # torch.quantile(x, q[j], dim=k): the op runs batched over the dims of every
+        # argument, on x with the reduced dims made positional
+        if not (reduces and axes):
+            raise ValueError(
+                f"{name} over the first-class dims {spec} takes no other argument with "
+                "first-class dims (unless it reduces over them); .order() the dims first "
+                "and pass positional dims"
+            )
+        y = order(x, tuple(entries))
+        a, kw = _with_dim(args, kwargs, pos, y, 0 if single else tuple(range(len(axes))))
+        return torch_function(func, a, kw)
+    t = storage(x, None)
     nothing = not axes  # an empty dim list: run over a new size-1 dim, not over all dims
     if nothing:
         t, axes = t.unsqueeze(-1), [t.ndim]
-    new = axes[0] if single else tuple(axes)
-    if in_kwargs:
-        args, kwargs = (t, *args[1:]), {**kwargs, "dim": new}
-    else:
-        args = (t, *args[1:pos], new, *args[pos + 1:])
-    out = func(*args, **kwargs)
+    a, kw = _with_dim(args, kwargs, pos, t, axes[0] if single else tuple(axes))
+    out = func(*a, **kw)
     if out is t:
         return x  # in place (cumsum_)
     kept = tuple(d for k, d in enumerate(x._dims) if not (reduces and k in axes))
@@ -130,6 +143,13 @@ def with_dims(func, args: tuple, kwargs: dict, pos: int, reduces: bool, single: 
     return tree_map(finish, out)
 
 
+def _with_dim(args: tuple, kwargs: dict, pos: int, x: Any, dim: Any) -> tuple[tuple, dict]:
+    """``args`` and ``kwargs`` with the input ``x`` and the dim argument ``dim``."""
+    if "dim" in kwargs:
+        return (x, *args[1:]), {**kwargs, "dim": dim}
+    return (x, *args[1:pos], dim, *args[pos + 1:]), kwargs
+
+
 def _check_once(name: str, named: list, spec: Any) -> None:
     """A dim may be named once in a dim argument (``x.sum((k, k))`` is an error)."""
     if len(set(named)) != len(named):
@@ -142,10 +162,11 @@ class _DelayedMul(Delayed):
     """``lhs * rhs``, computed only if something other than a sum over dims reads it."""
 
     __slots__ = ("_lhs", "_rhs")
+    _what = "a product of tensors with dims (delayed to run a following .sum() as a matmul)"
 
     def __init__(self, lhs: Tensor, rhs: Tensor, dims: tuple) -> None:
-        self._lhs, self._rhs, self._value = lhs, rhs, None
-        self._dims = dims
+        super().__init__(dims, lhs._tensor, rhs._tensor)
+        self._lhs, self._rhs = lhs, rhs
 
     def _compute(self) -> torch.Tensor:
         return reorder(pointwise(torch.mul, (self._lhs, self._rhs), {}), self._dims)._tensor
@@ -178,18 +199,18 @@ def _multiply(args: tuple, kwargs: dict, created: bool) -> Any:
 def _dot(product: _DelayedMul, summed: tuple) -> Any:
     """``(lhs * rhs).sum(summed)`` as one (batched) matmul: dims in both operands that
     are kept batch it, dims in both that are summed are contracted, the others are the
-    rows and columns; a summed dim in one operand only is summed there first. The result's
-    dims are the product's, in order, less the summed ones (a view of the matmul's)."""
+    rows and columns; a summed dim in one operand only is summed there first, in the
+    product's dtype. The result's dims are the product's, in order, less the summed ones
+    (a view of the matmul's)."""
     in_product = {id(d) for d in product._dims}
     for d in summed:
         if id(d) not in in_product:
             raise ValueError(f"sum: tensor has no dim {d}: its dims are {product._dims}")
     lhs, rhs = product._lhs, product._rhs
     is_summed = {id(d) for d in summed}
-    (a, a_dims), (b, b_dims) = _sum_alone(lhs, rhs, is_summed), _sum_alone(rhs, lhs, is_summed)
-    if a.dtype != b.dtype:
-        dtype = torch.promote_types(a.dtype, b.dtype)
-        a, b = a.to(dtype), b.to(dtype)
+    dtype = torch.promote_types(lhs._tensor.dtype, rhs._tensor.dtype)
+    (a, a_dims), (b, b_dims) = (_sum_alone(lhs, rhs, is_summed, dtype),
+                                _sum_alone(rhs, lhs, is_summed, dtype))
     in_b = {id(d) for d in b_dims}
     in_a = {id(d) for d in a_dims}
     batch = [d for d in a_dims if id(d) in in_b and id(d) not in is_summed]
@@ -206,13 +227,16 @@ def _dot(product: _DelayedMul, summed: tuple) -> Any:
     return out if all(d is e for d, e in zip(want, kept)) else reorder(out, tuple(want))
 
 
-def _sum_alone(x: Tensor, other: Tensor, is_summed: set) -> tuple[torch.Tensor, tuple]:
-    """``x``'s tensor with the summed dims that ``other`` lacks summed away."""
+def _sum_alone(x: Tensor, other: Tensor, is_summed: set, dtype: torch.dtype
+               ) -> tuple[torch.Tensor, tuple]:
+    """``x``'s tensor in ``dtype`` (the product's), with the summed dims that ``other``
+    lacks summed away in that dtype."""
     in_other = {id(d) for d in other._dims}
     alone = [k for k, d in enumerate(x._dims) if id(d) in is_summed and id(d) not in in_other]
     if not alone:
-        return x._tensor, x._dims
-    return x._tensor.sum(alone), tuple(d for k, d in enumerate(x._dims) if k not in alone)
+        return x._tensor.to(dtype), x._dims
+    return (x._tensor.sum(alone, dtype=dtype),
+            tuple(d for k, d in enumerate(x._dims) if k not in alone))
 
 
 def _grouped(t: torch.Tensor, dims: tuple, batch: list, first: list, second: list
