@@ -12,6 +12,7 @@ import tracemalloc
 
 import pytest
 import torch
+import torch.autograd.forward_ad as fwAD
 import torch.func as tf
 import torch.nn.functional as F
 from torch.utils._pytree import tree_flatten
@@ -1299,6 +1300,44 @@ def test_a_transform_called_under_no_grad_inside_grad_is_a_constant_there(case, 
         return lib.jacrev(lib.grad(f), argnums=(0, 1))(X, Y)
 
     assert_tree_close(run(tl), run(tf))
+
+
+UNDER_FORWARD_GRAD_OFF = {
+    "jvp output": lambda lib, x: lib.jvp(lambda v: v.sin() * Y + v * 2 + v * v, (x,), (x,))[0],
+    "jvp tangent": lambda lib, x: lib.jvp(lambda v: v.sin() * Y + v * v, (x,), (x,))[1],
+    "jacfwd": lambda lib, x: lib.jacfwd(lambda v: v.exp() * x)(x).sum(0),
+    "no transform": lambda lib, x: x.sin() * 2,
+}
+
+
+@pytest.mark.parametrize("case", list(UNDER_FORWARD_GRAD_OFF))
+def test_jvp_under_forward_grad_off_computes_its_tangent_as_in_torch_func(case):
+    """jvp turns forward grad on inside, as torch.func's does (it gave zero tangents); a jvp
+    level entered with it off is a constant to the jvp levels around, as in torch.func."""
+    def run(lib):
+        def h(x):
+            with fwAD._set_fwd_grad_enabled(False):
+                c = UNDER_FORWARD_GRAD_OFF[case](lib, x)
+            return x * c + c.sin()
+        return (lib.jvp(h, (X,), (Y,)), lib.jacfwd(h)(X), lib.grad(lambda x: h(x).sum())(X),
+                lib.vmap(lambda x, t: lib.jvp(h, (x,), (t,)))(X.expand(2, 3), Y.expand(2, 3)))
+
+    assert_tree_close(run(tl), run(tf))
+
+
+@pytest.mark.parametrize("lib", [tf, tl], ids=["torch.func", "torchlevels"])
+def test_jvp_inside_a_custom_functions_forward(lib):
+    """PyTorch turns forward grad off in Function.forward; jvp there still differentiates."""
+    class MinusDerivativeOfCos(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return -lib.jvp(torch.cos, (x,), (torch.ones_like(x),))[1]
+
+        @staticmethod
+        def backward(ctx, g):
+            return g
+
+    torch.testing.assert_close(MinusDerivativeOfCos.apply(X), X.sin())
 
 
 @pytest.mark.parametrize("lib", [tf, tl], ids=["torch.func", "torchlevels"])

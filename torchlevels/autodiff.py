@@ -544,6 +544,9 @@ class JvpLevel(Level):
         # whether a jvp level was entered inside this one: its duals, which share PyTorch's
         # one forward-AD level with ours, may reach our ops (see _without_tangent)
         self.hosts_jvp = False
+        # how many jvp levels entered with forward grad off are live inside: meanwhile
+        # our ops give no tangents (see paused_outside)
+        self.paused = 0
 
     def wrap(self, cls, primal: torch.Tensor, tangent: torch.Tensor) -> torch.Tensor:
         """``J(primal, tangent)``: a tensor of this level."""
@@ -566,6 +569,12 @@ class JvpLevel(Level):
         return _wrap(cls, tensor._inner, tensor._tangent)
 
     def dispatch(self, cls, func, args, kwargs):
+        if self.paused:  # a jvp level inside was entered with forward grad off
+            with fwAD._set_fwd_grad_enabled(False):
+                return self._dispatch(cls, func, args, kwargs)
+        return self._dispatch(cls, func, args, kwargs)
+
+    def _dispatch(self, cls, func, args, kwargs):
         inplace = writes_first_argument(func)
         if inplace and type(args[0]) is not cls:
             return lift_written(cls, func, args, kwargs, self.kind, _memory_constant)
@@ -593,7 +602,7 @@ class JvpLevel(Level):
         level = fwAD._current_level
         if level < 0:  # a jvp level outlived the forward-AD level it entered
             with _dual_level():
-                return self.dispatch(cls, func, args, kwargs)
+                return self._dispatch(cls, func, args, kwargs)
         try:
             return self._on_duals(cls, func, args, kwargs, inplace, level)
         except NotImplementedError as e:
@@ -1276,9 +1285,12 @@ def paused_outside(cls: type[LevelTensor]) -> Iterator[None]:
     called under ``torch.no_grad()``), the grad levels around it record nothing, as
     torch.func keeps each level's grad mode as it was when the level was entered: what
     ``f`` computes, its value and its gradient, is a constant to them. ``cls`` itself
-    records, as ``grad`` turns grad mode on inside."""
-    outside = [] if torch.is_grad_enabled() else [
-        c._level for c in autodiff_classes(cls.__base__) if isinstance(c._level, GradLevel)]
+    records, as ``grad`` turns grad mode on inside. A jvp level ``cls`` entered with
+    forward grad off pauses the jvp levels around it so."""
+    kind, enabled = ((GradLevel, torch.is_grad_enabled()) if isinstance(cls._level, GradLevel)
+                     else (JvpLevel, torch._C._is_fwd_grad_enabled()))
+    outside = [] if enabled else [
+        c._level for c in autodiff_classes(cls.__base__) if isinstance(c._level, kind)]
     for level in outside:
         level.paused += 1
     try:
@@ -1331,6 +1343,7 @@ def jvp_level(name: str = "jvp") -> Iterator[type[LevelTensor]]:
     cls = new_level_class(level, "DualTensor", classmethod(no_shortcuts), **_JVP_LEVEL_TENSOR)
     for outer in autodiff_classes(cls.__base__):
         outer._level.hosts_jvp = True
-    with (entered(cls), inference_mode_off(), _dual_level(), predispatch.hook(),
-          mha_fastpath_off):
+    # on inside, as torch.func's jvp turns it on (PyTorch turns it off in Function.forward)
+    with (paused_outside(cls), entered(cls), inference_mode_off(), _dual_level(),
+          fwAD._set_fwd_grad_enabled(True), predispatch.hook(), mha_fastpath_off):
         yield cls
