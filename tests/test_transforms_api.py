@@ -1325,6 +1325,38 @@ def test_jvp_under_forward_grad_off_computes_its_tangent_as_in_torch_func(case):
     assert_tree_close(run(tl), run(tf))
 
 
+TANGENT_LAYOUTS = {
+    "contiguous": lambda t: t.contiguous(),
+    "transposed": lambda t: t.t().contiguous().t(),
+    "in a larger storage": lambda t: torch.cat([t, t]).view(2, *t.shape)[1],
+}
+
+
+@pytest.mark.parametrize("layout", list(TANGENT_LAYOUTS))
+@pytest.mark.parametrize("write", ["base", "view"])
+def test_a_views_tangent_follows_a_write_whatever_the_tangents_layout(layout, write):
+    """A view taken before an in-place write into its base (or the write through the view)
+    has the written tangent, for a tangent laid out unlike its primal too: forward AD's
+    make_dual copies such a tangent, and each op's copy once left the view a stale one."""
+    x, y, xt, yt = (torch.randn(2, 6, generator=seeded(k)) for k in range(4))
+
+    def f(x, y):
+        view = x[0, ::2]
+        (x if write == "base" else view).copy_(y if write == "base" else y[0, ::2])
+        return view, x
+
+    def run(lib):
+        tangent = TANGENT_LAYOUTS[layout](xt)
+        both = lib.vmap(lambda a, b, at, bt: lib.jvp(f, (a.clone(), b), (at, bt)),
+                        in_dims=(0, 0, 1, 0))
+        examples = (t.expand(3, 2, 6).clone() for t in (x, y, xt, yt))
+        xs, ys, xts, yts = (t + k for k, t in enumerate(examples))
+        return (lib.jvp(f, (x.clone(), y), (tangent, yt)),
+                both(xs, ys, xts.movedim(0, 1), yts))  # the tangents batched at dim 1
+
+    assert_tree_close(run(tl), run(tf))
+
+
 @pytest.mark.parametrize("lib", [tf, tl], ids=["torch.func", "torchlevels"])
 def test_jvp_inside_a_custom_functions_forward(lib):
     """PyTorch turns forward grad off in Function.forward; jvp there still differentiates."""

@@ -884,13 +884,29 @@ def _lift_tangent(tangent: torch.Tensor, primal: torch.Tensor) -> torch.Tensor:
     """``tangent`` as a tensor of every level ``primal`` is a tensor of, as torch.func's
     make_dual does: a tangent that vmap does not batch (or a grad level does not see) while
     its primal is batched (seen) cannot take the new tangent of an in-place op on the
-    primal, which PyTorch's forward AD writes into the old one."""
-    if _levels(primal) <= _levels(tangent):
+    primal, which PyTorch's forward AD writes into the old one. A tangent laid out unlike
+    its primal is copied into the primal's layout once, here (see :func:`_same_layout`)."""
+    if _levels(primal) <= _levels(tangent) and _same_layout(tangent, primal):
         return tangent
     lifted = _new_zeros_with_same_feature_meta(tangent, primal)
     if not _levels(primal) <= _levels(lifted):  # vmap's rule for it batches at one level:
         lifted = lifted + torch.zeros_like(primal)  # nested vmaps take every level's zeros
     return lifted.copy_(tangent)
+
+
+def _same_layout(tangent: torch.Tensor, primal: torch.Tensor) -> bool:
+    """Whether ``tangent`` is laid out as ``primal`` is (PyTorch's ``has_same_meta``), so
+    that forward AD's ``make_dual`` takes it as it is. It copies one laid out otherwise, at
+    each op: the copy a view took would not see a later write into its base's tangent."""
+    if (tangent.shape != primal.shape or tangent.is_conj() != primal.is_conj()
+            or tangent.is_neg() != primal.is_neg()):
+        return False
+    if primal.numel() and (tangent.stride() != primal.stride()
+                           or tangent.storage_offset() != primal.storage_offset()):
+        return False
+    if type(primal) is torch.Tensor and type(tangent) is torch.Tensor:
+        return primal.untyped_storage().nbytes() == tangent.untyped_storage().nbytes()
+    return True
 
 
 def _jvp_inplace_view(cls, view, args, kwargs) -> torch.Tensor:
