@@ -1372,6 +1372,34 @@ def test_jvp_inside_a_custom_functions_forward(lib):
     torch.testing.assert_close(MinusDerivativeOfCos.apply(X), X.sin())
 
 
+def test_torch_autograd_functional_inside_grad_raises_naming_what_to_call_instead():
+    """torch.func raises too (its message names autograd.functional; ours the fix)."""
+    f = lambda x: torch.autograd.functional.jacobian(torch.sin, x).sum()  # noqa: E731
+    with pytest.raises(RuntimeError, match="autograd.functional"):
+        tf.grad(f)(X)
+    with pytest.raises(RuntimeError, match="torch.autograd.functional.*torchlevels' jacrev"):
+        tl.grad(f)(X)
+
+
+def test_a_transform_traced_by_torch_compile_through_allow_in_graph_says_so():
+    """allow_in_graph makes dynamo run a transform on FakeTensors, which reach a level: the
+    error says why and what to do (it was PyTorch's 'Multiple dispatch failed')."""
+    import functools
+
+    linear = torch.nn.Linear(2, 2)
+    params = (dict(linear.named_parameters()), {})
+    fn = tl.vmap(tl.jacfwd(tl.jacrev(lambda p, x: tl.functional_call(linear, p, x),
+                                     argnums=1), argnums=1), in_dims=(None, 0))
+    traced = torch._dynamo.allow_in_graph(fn)
+    call = functools.wraps(traced)(lambda *a: traced(*a))
+    torch._dynamo.reset()
+    try:
+        with pytest.raises(Exception, match="(?s)allow_in_graph.*torchlevels.compile"):
+            torch.compile(call, backend="eager")(params, torch.randn(4, 2))
+    finally:
+        torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("lib", [tf, tl], ids=["torch.func", "torchlevels"])
 def test_a_refused_saved_tensor_hook_leaves_hooks_usable_afterwards(lib):
     """hessian under save_on_cpu raises in both libraries; afterwards, save_on_cpu works

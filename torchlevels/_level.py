@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._pytree import tree_map_only
 
 # The class of the innermost live level, per thread and per context. Read only when a
@@ -195,6 +196,13 @@ _INTERNAL = (os.path.dirname(torch.__file__), *(
 ))
 
 
+_TRACED_BY_COMPILE = (
+    "{}: torch.compile traced a tensor of {} (its FakeTensors reached the level): a "
+    "torchlevels transform runs eagerly, so a call to one is a graph break, which "
+    "torch._dynamo.allow_in_graph on it overrides. Remove allow_in_graph, or trace the "
+    "transform with torchlevels.compile.")
+
+
 class LevelTensor(torch.Tensor):
     """The base of every level class: a wrapper holding the tensor one level out.
 
@@ -241,6 +249,8 @@ class LevelTensor(torch.Tensor):
                     "the other, so their batch dimensions cannot be matched. Unwrap the "
                     "tensor of one transform before using it in the other."
                 )
+            if issubclass(t, FakeTensor):
+                raise RuntimeError(_TRACED_BY_COMPILE.format(func, level.describe()))
             return NotImplemented  # a foreign subclass: let it go first
         if func is _THROUGH:
             return _through_fn.get()(args[0])

@@ -388,7 +388,9 @@ def _level_requires_grad_(t: torch.Tensor, requires_grad: bool = True) -> torch.
     if bool(requires_grad) == t.requires_grad:
         return t
     if requires_grad:
-        fix = "make it an input of the function the transform differentiates"
+        fix = ("make it an input of the function the transform differentiates (for "
+               "torch.autograd.functional's jacobian, hessian, vjp or jvp, which set it on "
+               "their inputs, call torchlevels' jacrev, hessian, vjp or jvp instead)")
     else:
         fix = "use t.detach() for a value the level does not track"
     raise RuntimeError(
