@@ -901,8 +901,10 @@ def _same_layout(tangent: torch.Tensor, primal: torch.Tensor) -> bool:
     that forward AD's ``make_dual`` takes it as it is. It copies one laid out otherwise, at
     each op: the copy a view took would not see a later write into its base's tangent."""
     if (tangent.shape != primal.shape or tangent.is_conj() != primal.is_conj()
-            or tangent.is_neg() != primal.is_neg()):
+            or tangent.is_neg() != primal.is_neg() or tangent.layout != primal.layout):
         return False
+    if primal.layout is not torch.strided:  # sparse: no strides to compare
+        return True
     if primal.numel() and (tangent.stride() != primal.stride()
                            or tangent.storage_offset() != primal.storage_offset()):
         return False
