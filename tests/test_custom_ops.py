@@ -191,6 +191,52 @@ def test_a_rule_may_give_a_negative_out_dim():
                                x.cos().movedim(1, 2))
 
 
+@torch.library.custom_op("tltest::np_split", mutates_args=())
+def np_split(x: torch.Tensor, splits: list[int], dim: int) -> tuple[list[torch.Tensor], int]:
+    pieces = np.split(x.detach().cpu().numpy(), splits, axis=dim)
+    return [torch.tensor(p, device=x.device) for p in pieces], len(splits)
+
+
+@np_split.register_fake
+def _(x, splits, dim):
+    return [t.clone() for t in torch.tensor_split(x, splits, dim)], len(splits)
+
+
+@np_split.register_vmap
+def _(info, in_dims, x, splits, dim):  # out_dims with the output's structure, every other
+    pieces, n = np_split(x.movedim(in_dims[0], 0), splits, dim + 1)  # piece batched last
+    pieces = [p.movedim(0, -1) if k % 2 else p for k, p in enumerate(pieces)]
+    return (pieces, n), ([-1 if k % 2 else 0 for k in range(len(pieces))], None)
+
+
+@pytest.mark.parametrize("in_dim", [0, 1])
+def test_a_rule_may_give_out_dims_with_the_structure_of_its_output(in_dim):
+    """out_dims is a pytree prefix of the output, as torch.func reads it: here a list of
+    tensors and an int take ``([d, d, d, d], None)``."""
+    x = torch.randn(3, 2, 9).movedim(0, in_dim)
+    f = lambda t: np_split(t, [1, 3, 6], 1)  # noqa: E731
+    loop = [torch.stack(p) for p in zip(*(f(e)[0] for e in x.unbind(in_dim)))]
+    for out_dims in [([0, 0, 0, 0], None), (0, None)]:
+        ours = tl.vmap(f, in_dim, out_dims)(x)
+        torch.testing.assert_close(ours, tf.vmap(f, in_dim, out_dims)(x))
+        torch.testing.assert_close(ours, (loop, 3))
+
+
+def test_a_registered_rule_may_give_out_dims_as_a_prefix_of_its_output():
+    @torch.library.custom_op("tltest::np_halves", mutates_args=())
+    def np_halves(x: torch.Tensor) -> tuple[list[torch.Tensor], int]:
+        return [torch.tensor(p) for p in np.split(x.numpy(), 2, axis=-1)], 2
+
+    np_halves.register_fake(lambda x: (list(x.clone().chunk(2, -1)), 2))
+    tl.register_batching_rule(torch.ops.tltest.np_halves.default)(
+        lambda func, args, dims, kwargs: (func(args[0].movedim(dims[0], 0)), (0, None)))
+    x = torch.randn(4, 6)
+    halves, n = tl.vmap(np_halves, out_dims=(0, None))(x)
+    assert n == 2
+    loop = [torch.stack(p) for p in zip(*(np_halves(e)[0] for e in x))]
+    torch.testing.assert_close(halves, loop)
+
+
 def test_jvp_refuses_a_custom_op_instead_of_a_silent_zero():
     x = torch.randn(3, dtype=torch.float64)
     with pytest.raises(NotImplementedError, match="tltest.np_exp.default is a torch.library "

@@ -4,6 +4,7 @@ Each case runs under torchlevels.vmap, torch.func.vmap and a Python loop + stack
 several in_dims, and must not fall back to the slow per-example loop.
 """
 
+import functools
 import re
 
 import pytest
@@ -103,6 +104,53 @@ def test_as_strided_is_relative_to_each_examples_storage(in_dim):
     torch.testing.assert_close(vmap_without_slow_loop(h, x, in_dims=in_dim), ours)
 
 
+AS_STRIDED_BATCHES = {  # 5 examples of (2, 3), each laid out differently in memory
+    "contiguous": lambda: torch.randn(5, 2, 3),
+    "transposed": lambda: torch.randn(5, 3, 2).transpose(1, 2),
+    "batch last": lambda: torch.randn(3, 2, 5).movedim(-1, 0).transpose(1, 2),
+    "offset": lambda: torch.randn(2, 5, 2, 3)[1],
+    "strided, offset": lambda: torch.randn(5, 2, 4, 3, 7)[:, :, 2, :, 1],
+}
+
+
+@pytest.mark.parametrize("layout", AS_STRIDED_BATCHES)
+def test_as_strided_within_each_example_matches_the_loop_of_relative_offsets(layout):
+    """Views that stay inside each example's memory are each example's own call with the
+    offset taken relative to the example's storage offset."""
+    x = AS_STRIDED_BATCHES[layout]()
+    s0, s1 = x.stride()[1:]
+    start = x.storage_offset()
+    for size, stride, offset in [((5, 2, 3), (0, s0, s1), start), ((3, 2), (s1, s0), start),
+                                 ((2,), (s0,), start + s1), ((2,), (s0 + s1,), start)]:
+        view = functools.partial(torch.as_strided, size=size, stride=stride,
+                                 storage_offset=offset)
+        ours = vmap_without_slow_loop(view, x)
+        torch.testing.assert_close(ours, func_vmap(view)(x))
+        loop = torch.stack([t.as_strided(size, stride, offset + t.storage_offset() - start)
+                            for t in x])
+        torch.testing.assert_close(ours, loop)
+
+
+@pytest.mark.parametrize("batch, size, stride, offset, levels", [
+    (lambda: torch.randn(5, 3), [3], [1], 1, 1),  # past the example's end
+    (lambda: torch.randn(5, 3, 5), [4, 4], [4, 1], 0, 1),
+    (lambda: torch.randn(2, 5, 3)[1], [3], [1], 14, 1),  # before the example's start
+    (lambda: torch.randn(5, 0, 3), [3], [1], None, 1),  # an empty example
+    (lambda: torch.randn(5, 7, 3, 5), [4, 4], [4, 1], 0, 2),  # past the end, nested
+], ids=["past the end", "past the end, 2-D", "before the start", "empty", "nested"])
+def test_as_strided_outside_an_examples_memory_raises_as_torch_func_does(
+        batch, size, stride, offset, levels):
+    """Where an example's view would reach outside its own memory, the batched view reads
+    other examples' memory (or none's): torch.func raises, and so does vmap."""
+    x = batch()
+    for mapped in (func_vmap, vmap):
+        f = lambda t: t.as_strided(size, stride, offset)  # noqa: E731
+        for _ in range(levels):
+            f = mapped(f)
+        with pytest.raises(RuntimeError, match="can access memory outside of `tensor`"):
+            f(x)
+
+
 def test_in_place_as_strided_under_grad_of_vmap_matches_a_loop():
     def f(x):
         y = x.clone()
@@ -176,9 +224,42 @@ def test_new_empty_strided_is_batched():
     assert stride == their_stride == (1, 4)
 
 
+@pytest.mark.parametrize("size, stride", [((0, 2, 0), (12, 4, 1)), ((2, 3, 4), (2, 4, 6)),
+                                          ((3, 0), (1, 3)), ((), ())])
+def test_new_empty_strided_lays_out_a_block_per_example_as_torch_func_does(size, stride):
+    """A batch stride of one example's extent: 0 for examples of no elements."""
+    f = lambda a: a.new_empty_strided(size, stride)  # noqa: E731
+    x = torch.randn(7)
+    ours, theirs = vmap(f)(x), func_vmap(f)(x)
+    assert (ours.shape, ours.stride()) == (theirs.shape, theirs.stride())
+
+
 def test_cat_with_unbatched_and_legacy_empty():
     check(lambda x, y: torch.cat([x, y, torch.empty(0)], 0), (3, 2, 4), (2, 4),
           in_dims=[(0, None), (1, None)])
+
+
+@pytest.mark.parametrize("in_dims", [(None, 0, 0), (0, 0, 0), (1, None, 1), (None, 1, None)])
+def test_cat_keeps_a_legacy_empty_tensor_in_the_graph(in_dims):
+    """cat skips a 1-D empty tensor, but it stays an input of the result, as in each
+    example's call: its requires_grad (and its dtype) reach the result."""
+    def cat(*ts):
+        return torch.cat(ts, 0)
+
+    examples = [((0,), torch.float32), ((2,), torch.float32), ((0,), torch.float64)]
+    made = [torch.rand(shape if d is None else shape[:d] + (5,) + shape[d:], dtype=dtype)
+            for (shape, dtype), d in zip(examples, in_dims)]
+    ours, theirs, loop_inputs = ([t.clone().requires_grad_() for t in made] for _ in range(3))
+    out = vmap(cat, in_dims=in_dims)(*ours)
+    loop = torch.stack([cat(*(t if d is None else t.select(d, b)
+                              for t, d in zip(loop_inputs, in_dims))) for b in range(5)])
+    for expected in (torch.func.vmap(cat, in_dims=in_dims)(*theirs), loop):
+        torch.testing.assert_close(out, expected)
+        assert out.requires_grad == expected.requires_grad
+    out.sum().backward()
+    loop.sum().backward()
+    for t, expected in zip(ours, loop_inputs):
+        torch.testing.assert_close(t.grad, expected.grad)
 
 
 @pytest.mark.parametrize("in_dim", [0, 1, 2])

@@ -9,6 +9,7 @@ so LAPACK gives the same factorization batched or one matrix at a time.
 from __future__ import annotations
 
 import functools
+import re
 
 import pytest
 import torch
@@ -201,6 +202,22 @@ def test_vector_input_raises_like_torch(op):
         op(x[0])  # (torch.func.vmap lets tril of a vector through)
     with pytest.raises(RuntimeError):
         vmap(op)(x)
+
+
+@pytest.mark.parametrize("name", ["lstsq", "geqrf"])
+def test_vector_input_raises_torchs_error_where_the_op_has_no_meta_kernel(name):
+    """The error each example's call raises (torch.func's for lstsq), not the missing meta
+    kernel's of the check that runs one example's call."""
+    x, rhs = rand(N), rand(N, 2)[0]
+    op = {"lstsq": lambda a: linalg.lstsq(a, rhs), "geqrf": torch.geqrf}[name]
+    with pytest.raises(RuntimeError) as eager:
+        op(x[0])
+    message = re.escape(str(eager.value))
+    with pytest.raises(RuntimeError, match=f"^{message}$"):
+        vmap(op)(x)
+    if name != "geqrf":  # (torch.func's rule raises an error of its own)
+        with pytest.raises(RuntimeError, match=f"^{message}$"):
+            torch.func.vmap(op)(x)
 
 
 def test_singular_example_raises():

@@ -604,20 +604,62 @@ def test_batch_norm_training_with_unbatched_running_stats_errors():
 
 @pytest.mark.parametrize("spatial", [0, 2])
 def test_batch_norm_training_of_an_ensemble_on_shared_input(spatial):
-    """Only the affine parameters batched: the statistics, and so the running-stat update,
-    are the same for every member (as in torch.func, which updates them once)."""
+    """Only the affine parameters batched: every member normalizes x with the same
+    statistics and, as in a loop, updates the running stats they share in turn (torch.func
+    updates them once; its outputs are the same)."""
     x = torch.randn((4, 3) + (5,) * spatial)
     w, b = torch.randn(B, 3), torch.randn(B, 3)
-    stats = {}
-    for name, lib_vmap in (("ours", vmap), ("torch.func", torch.func.vmap)):
-        rm, rv = torch.zeros(3), torch.ones(3)
-        out = lib_vmap(lambda w, b, rm=rm, rv=rv: F.batch_norm(x, rm, rv, w, b, training=True),
-                       in_dims=(0, 0))(w, b)
-        stats[name] = (out, rm, rv)
-    torch.testing.assert_close(stats["ours"], stats["torch.func"])
-    loop = [F.batch_norm(x, torch.zeros(3), torch.ones(3), wi, bi, training=True)
-            for wi, bi in zip(w, b)]
-    torch.testing.assert_close(stats["ours"][0], torch.stack(loop))
+
+    def f(w, b, rm, rv):
+        return F.batch_norm(x, rm, rv, w, b, training=True, momentum=0.3)
+
+    rm, rv = torch.zeros(3), torch.ones(3)
+    out = vmap(f, in_dims=(0, 0, None, None))(w, b, rm, rv)
+    loop_rm, loop_rv = torch.zeros(3), torch.ones(3)
+    loop = torch.stack([f(wi, bi, loop_rm, loop_rv) for wi, bi in zip(w, b)])
+    torch.testing.assert_close((out, rm, rv), (loop, loop_rm, loop_rv))
+    theirs = torch.func.vmap(f, in_dims=(0, 0, None, None))(w, b, torch.zeros(3), torch.ones(3))
+    torch.testing.assert_close(out, theirs)
+
+
+@pytest.mark.parametrize("in_dims", [  # of the running mean, running var and weight
+    (0, None, None), (None, 1, None), (1, 0, None), (0, None, 0), (None, 1, 0), (None, None, 0)])
+def test_batch_norm_training_on_shared_input_updates_each_running_stat_as_a_loop_does(
+        in_dims):
+    """x the same for every example: a batched running stat takes its example's update, a
+    shared one every example's in turn (torch.func updates a shared one once)."""
+    x = torch.randn(4, 5)
+    rm, rv, w = torch.randn(B, 5), torch.rand(B, 5) + 0.5, torch.randn(B, 5)
+    args = [t[0] if d is None else t.movedim(0, d).contiguous()
+            for t, d in zip((rm, rv, w), in_dims)]
+    in_dims = (None, *in_dims)
+
+    def f(x, rm, rv, w):
+        return F.batch_norm(x, rm, rv, w, None, training=True)
+
+    ours = [t.clone() for t in (x, *args)]
+    out = vmap_without_slow_loop(f, *ours, in_dims=in_dims)
+    looped = [t.clone() for t in (x, *args)]
+    loop = torch.stack([f(*(t if d is None else t.select(d, i)
+                            for t, d in zip(looped, in_dims))) for i in range(B)])
+    torch.testing.assert_close(out, loop)
+    torch.testing.assert_close(ours, looped)
+    theirs = [t.clone() for t in (x, *args)]
+    torch.testing.assert_close(out, torch.func.vmap(f, in_dims=in_dims)(*theirs))
+
+
+def test_batch_norm_training_names_the_shared_running_stat_batched_statistics_would_update():
+    """Each example's own statistics would update a running stat they share in turn: a
+    loop's sequence of updates, which vmap refuses as torch.func does, naming the stat."""
+    x, rm, rv = torch.randn(B, 4, 5), torch.randn(B, 5), torch.rand(5) + 0.5
+    before = rv.clone()
+    with pytest.raises(RuntimeError, match="running_var is not batched.*Batch the running"):
+        vmap(lambda x, rm, rv: F.batch_norm(x, rm, rv, training=True),
+             in_dims=(0, 0, None))(x, rm, rv)
+    with pytest.raises(RuntimeError, match="were not batched"):
+        torch.func.vmap(lambda x, rm, rv: F.batch_norm(x, rm, rv, training=True),
+                        in_dims=(0, 0, None))(x, rm.clone(), rv.clone())
+    torch.testing.assert_close(rv, before)  # left untouched
 
 
 def test_norm_modules():
@@ -723,11 +765,12 @@ def test_nll_loss_and_cross_entropy(reduction, shape, xb, tb, wb):
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
-@pytest.mark.parametrize("shape", [(7,), (4, 7)])
+@pytest.mark.parametrize("shape", [(7,), (4, 7), (1, 7), ()])
 @pytest.mark.parametrize("xb,tb", [(True, True), (True, False), (False, True)])
 def test_multilabel_margin_loss(reduction, shape, xb, tb):
     x, xd = maybe(torch.randn(shape, dtype=torch.float64), xb)
-    t = torch.randint(-1, 7, (B,) + shape) if tb else torch.randint(-1, 7, shape)
+    classes = shape[-1] if shape else 1
+    t = torch.randint(-1, classes, (B,) + shape if tb else shape)
 
     def loss(x, t):
         return F.multilabel_margin_loss(x, t, reduction=reduction)
@@ -1189,16 +1232,21 @@ def test_adaptive_max_pool_backward_with_shared_indices(k):
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
-@pytest.mark.parametrize("shape", [(7,), (4, 7)])
+@pytest.mark.parametrize("shape, target_shape", [
+    ((7,), ()), ((4, 7), (4,)),
+    # the unreduced loss takes the target's shape: (1,) for one row given as (1,)
+    ((7,), (1,)), ((1, 7), ()), ((), (1,)), ((), ())])
 @pytest.mark.parametrize("xb,tb,wb", [(True, True, None), (True, False, False),
                                       (False, True, True), (True, True, True)])
-def test_multi_margin_loss_per_example_gradients(reduction, shape, xb, tb, wb):
+def test_multi_margin_loss_per_example_gradients(reduction, shape, target_shape, xb, tb, wb):
     """The backward op batched (a batched class weight scales each row's gradient), against
     autograd per example; p=2 and a margin other than 1 reach the kernel as given."""
     x, xd = maybe(torch.randn(shape, dtype=torch.float64), xb)
-    t, td = (torch.randint(0, 7, (B,) + shape[:-1]), 0) if tb else (
-        torch.randint(0, 7, shape[:-1]), None)
-    w, wd = (None, None) if wb is None else maybe(torch.rand(7, dtype=torch.float64), wb)
+    classes = shape[-1] if shape else 1
+    t, td = (torch.randint(0, classes, (B,) + target_shape), 0) if tb else (
+        torch.randint(0, classes, target_shape), None)
+    w, wd = (None, None) if wb is None else maybe(torch.rand(classes, dtype=torch.float64),
+                                                  wb)
     if wd is not None:
         w = w.abs() + 0.1
 

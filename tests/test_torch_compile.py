@@ -87,19 +87,60 @@ def _draws(x):
     return x * torch.randn(3)
 
 
-@pytest.mark.parametrize("randomness", ["error", "different"])
-def test_compiled_random_op_inside_vmap_is_refused(randomness):
-    """Compiled code draws once for all examples: a silent "same" for these modes."""
+@pytest.mark.parametrize("randomness", ["different", "same"])
+def test_compiled_random_op_inside_vmap_draws_as_the_plain_function(randomness):
+    """Inside a transform a compiled function runs as the plain function, so it draws per
+    vmap's randomness (compiled code would draw once for all examples)."""
     compiled = torch.compile(_draws, backend="eager")
-    with pytest.raises(Exception, match=rf"torch.compile calls aten.randn.default inside "
-                       rf"vmap .* randomness='{randomness}'.*randomness='same'"):
-        tl.vmap(compiled, randomness=randomness)(X)
-
-
-def test_compiled_random_op_inside_vmap_same():
-    out = tl.vmap(torch.compile(_draws, backend="eager"), randomness="same")(X)
     torch.manual_seed(0)
-    torch.testing.assert_close(out, X * torch.randn(3))
+    out = tl.vmap(compiled, randomness=randomness)(X)
+    torch.manual_seed(0)
+    torch.testing.assert_close(out, tf.vmap(compiled, randomness=randomness)(X))
+    torch.manual_seed(0)
+    torch.testing.assert_close(out, tl.vmap(_draws, randomness=randomness)(X))
+
+
+def test_compiled_random_op_inside_vmap_of_randomness_error_raises_vmaps_error():
+    with pytest.raises(RuntimeError, match="called random operation while in randomness "
+                       "error mode"):
+        tl.vmap(torch.compile(_draws, backend="eager"))(X)
+
+
+def _sin(x):
+    return x.sin()
+
+
+@pytest.mark.parametrize("transform", ["vmap", "grad", "vmap(grad)", "jacrev", "jvp"])
+def test_fullgraph_compiled_function_inside_transforms(transform):
+    """Dynamo cannot trace a level's tensors, and with fullgraph=True a graph break
+    raises: inside a transform the compiled function runs eagerly, with torch.func's
+    results (torch.func runs it too, but for jvp, where dynamo fails)."""
+    make = {
+        "vmap": lambda lib, g: lib.vmap(g),
+        "grad": lambda lib, g: lib.grad(lambda x: g(x).sum()),
+        "vmap(grad)": lambda lib, g: lib.vmap(lib.grad(lambda x: g(x).sum())),
+        "jacrev": lambda lib, g: lib.jacrev(g),
+        "jvp": lambda lib, g: lambda x: lib.jvp(g, (x,), (torch.ones_like(x),)),
+    }[transform]
+    compiled = torch.compile(_sin, backend="eager", fullgraph=True)
+    for _ in range(3):
+        torch.testing.assert_close(make(tl, compiled)(X), make(tf, _sin)(X))
+    if transform != "jvp":
+        torch.testing.assert_close(make(tl, compiled)(X), make(tf, compiled)(X))
+
+
+def test_compiled_functions_compile_again_after_a_transform():
+    """The eager stance is held only while a transform runs."""
+    compiling = []
+
+    def g(x):
+        compiling.append(torch.compiler.is_compiling())
+        return x.sin()
+
+    compiled = torch.compile(g, backend="eager", fullgraph=True)
+    tl.vmap(compiled)(X)
+    compiled(X)
+    assert compiling == [False, True]
 
 
 _FRESH = """

@@ -772,3 +772,24 @@ def test_bool_in_dims_are_refused_not_read_as_ints(in_dims):
         torch.func.vmap(torch.sin, in_dims=in_dims)(x)
     with pytest.raises(ValueError, match="in_dim must be either an integer dimension or None"):
         vmap(torch.sin, in_dims=in_dims)(x)
+
+
+@pytest.mark.parametrize("layout", [torch.strided, torch.jagged])
+def test_a_nested_tensor_is_refused_with_the_loop_that_gives_torch_funcs_answer(layout):
+    """A level's tensor has one shape per example, which a nested tensor's components do
+    not share: vmap refuses one (README), naming the loop over its components to write
+    instead, which gives what torch.func's vmap over it gives."""
+    nt = torch.nested.nested_tensor([torch.randn(2, 3), torch.randn(4, 3)], layout=layout)
+
+    def f(x):
+        return x.sin() * 5.0 + 4.0
+
+    with pytest.raises(NotImplementedError, match=r"(?s)nested tensor.*"
+                       r"as_nested_tensor\(\[f\(t\) for t in nt.unbind\(\)\]\).*to_padded"):
+        vmap(f)(nt)
+    instead = torch.nested.as_nested_tensor([f(t) for t in nt.unbind()])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.func's fallback warns
+        theirs = func_vmap(f)(nt)
+    for ours, expected in zip(instead.unbind(), theirs.unbind(), strict=True):
+        assert_close(ours, expected)

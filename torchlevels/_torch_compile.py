@@ -13,6 +13,9 @@ So:
 - a transform call (``vmap(f)(x)``, ``grad(f)(x)``, ``jvp(f, ...)``...) runs with dynamo
   off, the user's function inside included: under ``torch.compile`` it runs eagerly,
   with the results of eager mode;
+- a compiled function called inside a transform runs as the plain function, eagerly
+  (torch.compile's stance "force_eager"): dynamo would trace the level's tensors, which
+  it cannot, and with ``fullgraph=True`` raise;
 - ops that torch.compile runs for itself while a level is live pass the levels by (see
   batching/random.py).
 
@@ -31,6 +34,7 @@ import importlib.abc
 import importlib.util
 import pkgutil
 import sys
+import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -39,17 +43,53 @@ import torch
 _Fn = TypeVar("_Fn", bound=Callable)
 _DYNAMO = "torch._dynamo"
 _run_without_dynamo: Callable | None = None  # set once dynamo is imported
+_eval_frame: Any = None  # torch._dynamo.eval_frame, once imported
+_FORCE_EAGER: Any = None  # its stance that runs compiled functions as plain ones
 _TRACEABLE = {"relational"}  # its fused column kernels are torch.compile'd
 
 
+class _CompiledCodeRunsEagerly:
+    """torch.compile's stance "force_eager" while any holder is inside ``with``. The
+    stance is process-wide, so it is held by a count of live holders, under a lock (as in
+    ``_process_state``): the first sets it, the last restores the stance before. Compiled
+    functions of other threads run eagerly meanwhile too, with the same results. (Dynamo's
+    own ``set_stance`` does the same assignment, after checks that cost ~3 us a call.)"""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._holders = 0
+        self._before: Any = None
+
+    def __enter__(self) -> None:
+        with self._lock:
+            if not self._holders:
+                self._before = _eval_frame._stance
+                _eval_frame._stance = _FORCE_EAGER
+            self._holders += 1
+
+    def __exit__(self, *exc: object) -> None:
+        with self._lock:
+            self._holders -= 1
+            if not self._holders:
+                _eval_frame._stance = self._before
+
+
+_compiled_code_runs_eagerly = _CompiledCodeRunsEagerly()
+
+
 def _call(fn: Callable, args: tuple, kwargs: dict) -> Any:
-    return fn(*args, **kwargs)
+    with _compiled_code_runs_eagerly:  # (set_stance refuses in a compiled region: not here)
+        return fn(*args, **kwargs)
 
 
 def _on_dynamo_import() -> None:
     """Skip the package's files, and make a runner for transform calls with dynamo off."""
-    global _run_without_dynamo
+    global _run_without_dynamo, _eval_frame, _FORCE_EAGER
+    import torch._dynamo.eval_frame
     import torch._dynamo.trace_rules
+
+    _eval_frame = torch._dynamo.eval_frame
+    _FORCE_EAGER = _eval_frame.DynamoStance("force_eager")
 
     for module in pkgutil.iter_modules(sys.modules[__package__].__path__):
         if module.name not in _TRACEABLE:

@@ -248,6 +248,8 @@ def wrap_outputs(cls, func, inplace: bool, args, out, out_dims):
             wrapped.append(o)
         elif k is not None and k < len(args) and type(args[k]) is cls:  # written: as is
             wrapped.append(args[k])
+        elif isinstance(d, (tuple, list)):  # a list of tensors among the outputs
+            wrapped.append(wrap_outputs(cls, func, False, (), o, d))
         else:
             wrapped.append(wrap_batched(cls, o, d))
     return type(out)(wrapped)

@@ -38,6 +38,13 @@ def example_meta(args, dims) -> list:
             if isinstance(a, torch.Tensor) else a for a, d in zip(args, dims)]
 
 
+def example_zeros(args, dims) -> list:
+    """One example's arguments, its tensors as zeros (the rest as they are): to run an op's
+    own kernel on one example, where its meta kernel cannot say what that call does."""
+    return [torch.zeros(logical_shape(a, d), dtype=a.dtype, device=a.device)
+            if isinstance(a, torch.Tensor) else a for a, d in zip(args, dims)]
+
+
 _KERNEL_TAKES: set[tuple] = set()  # (op, its tensors' dtypes and devices) run once
 
 
@@ -78,8 +85,7 @@ def refuse_dtypes_the_kernel_refuses(func, args, dims, kwargs) -> None:
         return
 
     def call():
-        func(*(torch.zeros(logical_shape(a, d), dtype=a.dtype, device=a.device)
-               if isinstance(a, torch.Tensor) else a for a, d in zip(args, dims)), **kwargs)
+        func(*example_zeros(args, dims), **kwargs)
 
     kernel_on_zeros(key, call, lambda error: isinstance(error, NotImplementedError)
                     and "not implemented for" in str(error))

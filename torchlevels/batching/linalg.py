@@ -14,6 +14,7 @@ import torch
 
 from torchlevels.batching.dims import (
     example_meta,
+    example_zeros,
     logical_rank,
     logical_shape,
     materialize,
@@ -34,12 +35,18 @@ def out_dims(out, size):
 
 
 def check_ranks(func, args, dims, cores, kwargs) -> None:
-    """Raise torch's own error if a logical operand has fewer dims than its core rank."""
+    """Raise torch's own error if a logical operand has fewer dims than its core rank: the
+    op's on one example, as meta tensors, or as zeros for an op without a meta kernel
+    (its kernel checks the ranks before computing), unseen by any level or mode."""
     tensors = [(a, d) for a, d in zip(args, dims) if isinstance(a, torch.Tensor)]
     if all(logical_rank(a, d) >= core for (a, d), core in zip(tensors, cores)):
         return
     try:
-        func(*example_meta(args, dims), **kwargs)
+        try:
+            func(*example_meta(args, dims), **kwargs)
+        except NotImplementedError:  # no meta kernel
+            with torch._C._DisableTorchDispatch(), torch.no_grad():
+                func(*example_zeros(args, dims), **kwargs)
     except Exception as e:  # some meta kernels raise AssertionError: keep torch's type
         raise RuntimeError(str(e)) from None
     raise RuntimeError(f"{func}: expected inputs with at least {cores} dims")

@@ -335,14 +335,28 @@ def _batch_norm(args, dims, training, momentum, eps):
     x, w, b, rm, rv = args
     xd, wd, bd, md, vd = dims
     size = batch_size(args, dims)
-    if training and rm is not None and xd is not None and (md is None or vd is None):
-        raise RuntimeError(
-            "vmap: batch norm in training mode would update running_mean/running_var in place "
-            "with batched statistics, but they are not batched. If you do not need eval mode, "
-            "set `track_running_stats=False` on the module (or pass running_mean=None and "
-            "running_var=None); otherwise batch the running stats too (one per example)."
-        )
     bn = aten.native_batch_norm.default
+    if training and rm is not None and (md is None or vd is None):
+        if xd is not None:
+            shared = [name for name, d in (("running_mean", md), ("running_var", vd))
+                      if d is None]
+            is_, it = ("is", "it") if len(shared) == 1 else ("are", "them")
+            raise RuntimeError(
+                "vmap: batch norm in training mode would update running_mean/running_var in "
+                f"place with batched statistics, but {' and '.join(shared)} {is_} not "
+                f"batched: each example would update {it} in turn, as in a loop, which "
+                "cannot be batched. Batch the running stats too (one per example); or, if you "
+                "do not need them, use eval mode or set `track_running_stats=False` on the "
+                "module (or pass running_mean=None and running_var=None)."
+            )
+        # x, and so its statistics, are the same for every example: a loop updates a running
+        # stat the examples share once per example in turn, as one update with momentum
+        # 1 - (1 - momentum) ** size does (a batched stat, each example's own, is updated below)
+        stats = [t if d is None else t.new_zeros(logical_shape(t, d))  # (a stand-in)
+                 for t, d in ((rm, md), (rv, vd))]
+        bn(x, None, None, *stats, True, 1 - (1 - momentum) ** size, eps)
+        if md is None and vd is None:
+            rm = rv = None  # no running stat left to update
     params_batched = wd is not None or bd is not None
     if not training and md is None and vd is None and xd is not None and not params_batched:
         x, lead = fold(x, xd, size, x.dim() - 1)  # the logical x always has N
@@ -360,7 +374,8 @@ def _batch_norm(args, dims, training, momentum, eps):
     out, mean, invstd = bn(x.transpose(0, 1).flatten(1, 2), *flat, training, momentum, eps)
     if training and rm is not None:
         for stat, d, new in zip((rm, rv), (md, vd), flat[2:]):
-            to_front(stat, d).copy_(new.view(size, -1))
+            if d is not None:  # (a shared one was updated above)
+                to_front(stat, d).copy_(new.view(size, -1))
     out = out.unflatten(1, (size, -1))
     if not training:
         return (out, mean, invstd), (1, None, None)
@@ -594,11 +609,12 @@ def _as_rows(x: torch.Tensor) -> torch.Tensor:
     return x.flatten(0, -2) if x.dim() > 1 else x.unsqueeze(1)
 
 
-def _example_losses(loss: torch.Tensor, x: torch.Tensor, reduction: int) -> torch.Tensor:
-    """Each row's loss (of the rows of :func:`_as_rows`) as each example's: reduced over
-    its N rows for examples with N, unless ``reduction`` is none (0)."""
-    loss = loss.view(x.shape[:-1] if x.dim() > 1 else x.shape)
-    return per_example(loss, reduction == 1) if x.dim() == 3 and reduction != 0 else loss
+def _example_losses(loss: torch.Tensor, shape: tuple, reduction: int) -> torch.Tensor:
+    """Each row's loss (of the rows of :func:`_as_rows`) as each example's: its unreduced
+    loss of (front-batched) ``shape``, reduced over its rows unless ``reduction`` is none
+    (0)."""
+    loss = loss.view(shape)
+    return loss if reduction == 0 else per_example(loss, reduction == 1)
 
 
 def _row_gradients(go: torch.Tensor, x: torch.Tensor, reduction: int) -> torch.Tensor:
@@ -631,7 +647,8 @@ def multilabel_margin_loss_forward(func, args, dims, kwargs):
     reduction = args[2]
     x, (rows, target) = _multilabel_rows(args[:2], dims[:2], batch_size(args, dims))
     loss, is_target = func(rows, target, 0)
-    return (_example_losses(loss, x, reduction), is_target.view(x.shape)), (0, 0)
+    shape = x.shape[:-1] if x.dim() > 1 else x.shape  # a loss per row (a 0-d example: one)
+    return (_example_losses(loss, shape, reduction), is_target.view(x.shape)), (0, 0)
 
 
 @register(aten.multilabel_margin_loss_backward.default)
@@ -675,7 +692,8 @@ def multi_margin_loss(func, args, dims, kwargs):
     loss = decomposition_of(func)(a["rows"], a["target"], a["p"], a["margin"], None, 0)
     if a["weight"] is not None:
         loss = loss * a["weight"]
-    return _example_losses(loss, a["self"], a["reduction"]), 0
+    shape = (a["self"].shape[0], *logical_shape(args[1], dims[1]))  # the target's, as eager's
+    return _example_losses(loss, shape, a["reduction"]), 0
 
 
 @register(aten.multi_margin_loss_backward.default)

@@ -28,7 +28,13 @@ from typing import Any, NamedTuple
 import torch
 from torch._library.custom_ops import _maybe_get_opdef
 from torch._ops import OpOverload, OpOverloadPacket
-from torch.utils._pytree import tree_leaves, tree_map_only
+from torch.utils._pytree import (
+    _broadcast_to_and_flatten,
+    tree_flatten,
+    tree_leaves,
+    tree_map_only,
+    tree_unflatten,
+)
 
 from torchlevels._level import LevelTensor, autograd_on, differentiated
 from torchlevels.batching import shortcuts
@@ -491,8 +497,10 @@ def _custom_op_rule(level: Any, func: OpOverload, args: tuple, dims: tuple,
 
 
 def checked_result(func: OpOverload, result: Any, size: int, rule: str) -> tuple[Any, Any]:
-    """A user's rule's ``(output, out_dims)``, checked: a pair, one out_dim per output (or
-    one for all), each batched output a batch of ``size`` examples along its out_dim."""
+    """A user's rule's ``(output, out_dims)``, checked: a pair, ``out_dims`` a pytree prefix
+    of the output (one out_dim per output, or one for all, as torch.func reads it), each
+    batched output a batch of ``size`` examples along its out_dim. The out_dims come back
+    with the output's structure (``([0, 0], None)`` for a list of tensors and an int)."""
     if not (isinstance(result, tuple) and len(result) == 2):
         raise RuntimeError(
             f"vmap: {rule} for {func} must return a pair (output, out_dims); "
@@ -504,22 +512,22 @@ def checked_result(func: OpOverload, result: Any, size: int, rule: str) -> tuple
     if returns > 1 and len(outs) != returns:
         raise RuntimeError(f"vmap: {rule} for {func} returned {len(outs)} output(s); the op "
                            f"returns {returns}.")
-    if isinstance(out_dims, (tuple, list)):
-        if not isinstance(out, (tuple, list)) or len(out) != len(out_dims):
-            raise RuntimeError(
-                f"vmap: {rule} for {func} returned out_dims={out_dims!r}, which does not "
-                "match its output: give one out_dim per output, or a single int."
-            )
-        out_dims = tuple(out_dims)
-    for k, (o, d) in enumerate(zip(outs, out_dims if isinstance(out_dims, tuple)
-                                   else (out_dims,) * len(outs))):
+    leaves, spec = tree_flatten(out)
+    flat_dims = _broadcast_to_and_flatten(out_dims, spec)
+    if flat_dims is None:
+        raise RuntimeError(
+            f"vmap: {rule} for {func} returned out_dims={out_dims!r}, which does not "
+            "match its output: give one out_dim per output (out_dims with the output's "
+            "structure), or a single int."
+        )
+    for k, (o, d) in enumerate(zip(leaves, flat_dims)):
         if d is not None and isinstance(o, torch.Tensor) and (
                 not -o.dim() <= d < o.dim() or o.shape[d] != size):
             raise RuntimeError(
                 f"vmap: {rule} for {func} returned output {k} of shape {tuple(o.shape)} with "
                 f"out_dim {d}, which is not a batch of the {size} examples along that dim."
             )
-    return out, out_dims
+    return out, tree_unflatten(flat_dims, spec)
 
 
 def registered_ops() -> Iterable[OpOverload | OpOverloadPacket]:

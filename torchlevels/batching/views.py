@@ -136,11 +136,17 @@ def split(func, args, dims, kwargs):
 def cat(func, args, dims, kwargs):
     tensors, d = args[0], (args[1] if len(args) > 1 else 0)
     size = batch_size(args, dims)
-    # cat skips 1-D empty tensors whatever the rank of the others (legacy behaviour)
-    kept = [(t, td) for t, td in zip(tensors, dims[0]) if logical_shape(t, td) != (0,)]
-    kept = kept or list(zip(tensors, dims[0]))
-    rank = len(logical_shape(*kept[0]))
-    return torch.cat([materialize(t, td, size) for t, td in kept], wrap_dim(d, rank) + 1), 0
+    # cat skips 1-D empty tensors whatever the rank of the others (legacy behaviour): such
+    # a tensor goes in as a 1-D empty tensor, which torch.cat skips too, while its dtype
+    # and autograd's graph keep it, as each example's call does
+    legacy = [logical_shape(t, td) == (0,) for t, td in zip(tensors, dims[0])]
+    if all(legacy):
+        legacy = [False] * len(tensors)
+    rank = next(len(logical_shape(t, td)) for t, td, skip in zip(tensors, dims[0], legacy)
+                if not skip)
+    return torch.cat([t.reshape(0) if skip else materialize(t, td, size)
+                      for t, td, skip in zip(tensors, dims[0], legacy)],
+                     wrap_dim(d, rank) + 1), 0
 
 
 @register(aten.stack.default)
@@ -233,7 +239,31 @@ def as_strided(func, args, dims, kwargs):
     x, size, stride, *rest = args
     offset = rest[0] if rest and rest[0] is not None else x.storage_offset()
     d = dims[0]
+    if len(size) == len(stride):  # (else as_strided's own error below)
+        check_within_example(x, d, size, stride, offset)
     return x.as_strided([x.shape[d], *size], [x.stride(d), *stride], offset), 0
+
+
+def check_within_example(x, d, size, stride, offset) -> None:
+    """Raise torch.func's error where ``as_strided(size, stride, offset)`` of example 0
+    (and so, one batch stride on, of every example) reaches memory outside the range its
+    own elements span: there the batched view would read another example's memory, or
+    memory of no example, where each example's call reads its own."""
+    reach = span(size, stride)
+    if not reach:  # the result holds no elements
+        return
+    shape, strides = logical_shape(x, d), x.stride()[:d] + x.stride()[d + 1 :]
+    first, own = x.storage_offset(), span(shape, strides)
+    if first <= offset and offset + reach <= first + own:
+        return
+    where = (f"`tensor` can only access some memory in range [{first}, {first + own}]"
+             if own else "`tensor` has no storage")
+    raise RuntimeError(
+        f"result = tensor.as_strided({list(size)}, {list(stride)}, {offset}) can access "
+        f"memory outside of `tensor`. `result` can access some memory in range [{offset}, "
+        f"{offset + reach}], but {where}. This is not supported inside of vmap, please "
+        "try to rewrite the `as_strided` call as a sequence of PyTorch view operations"
+    )
 
 
 @register(aten.as_strided_scatter.default)
@@ -262,10 +292,10 @@ def as_strided_scatter(func, args, dims, kwargs):
 
 @register(aten.new_empty_strided.default)
 def new_empty_strided(func, args, dims, kwargs):
-    """Batched: one block of storage per example, laid out with the given strides."""
+    """Batched: one block of storage per example, laid out with the given strides (as
+    torch.func's, none for examples of no elements: a batch stride of 0)."""
     x, size, stride = args
-    extent = max(span(size, stride), 1)
-    return func(x, [x.shape[dims[0]], *size], [extent, *stride], **kwargs), 0
+    return func(x, [x.shape[dims[0]], *size], [span(size, stride), *stride], **kwargs), 0
 
 
 register(aten.as_strided_.default)(as_strided)  # out of place: the wrapper takes the view
