@@ -574,3 +574,60 @@ def test_mark_dirty_under_forward_over_reverse(x):
     close(tl.jvp(tl.grad(f), (x,), (t,)), tf.jvp(tf.grad(f), (x,), (t,)))
     close(tl.jacfwd(tl.jacrev(f))(x), tf.jacfwd(tf.jacrev(f))(x))
     close(tl.jvp(f, (x,), (t,)), tf.jvp(f, (x,), (t,)))
+
+
+class MarkedDirty(torch.autograd.Function):
+    """Returns its input as is and marks it dirty without modifying it; its jvp modifies
+    the tangent in place, as a dirty output's must."""
+
+    @staticmethod
+    def forward(x):
+        return x
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.mark_dirty(inputs[0])
+
+    @staticmethod
+    def backward(ctx, g):
+        return 2 * g
+
+    @staticmethod
+    def jvp(ctx, t):
+        return t.mul_(2)
+
+
+def test_function_returning_an_input_it_marks_dirty_under_jvp():
+    f = lambda x: MarkedDirty.apply(x.clone())  # noqa: E731
+    x, t = torch.tensor([2.0, 3.0]), torch.tensor([1.0, -1.0])
+    close(tl.jvp(f, (x,), (t,)), tf.jvp(f, (x,), (t,)))
+    close(tl.grad(lambda x: f(x).sum())(x), tf.grad(lambda x: f(x).sum())(x))
+
+
+def _zeros_with_out_dims(out_dims, as_list):
+    class Zeros(torch.autograd.Function):
+        @staticmethod
+        def forward(x):
+            return [torch.zeros(x.shape)] if as_list else torch.zeros(x.shape)
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            pass
+
+        @staticmethod
+        def vmap(info, in_dims, x):
+            r = torch.zeros(x.shape[1:])
+            return ([r] if as_list else r), out_dims
+
+    return Zeros
+
+
+@pytest.mark.parametrize("as_list", [False, True])
+def test_vmap_staticmethod_with_out_dims_of_another_structure_raises(as_list):
+    x = torch.randn(2, 3)
+    for T in (tf, tl):  # a single output (or a list of one) with out_dims for a tuple
+        with pytest.raises(RuntimeError, match="incompatible \\(output, out_dims\\)"):
+            T.vmap(_zeros_with_out_dims((None,), as_list).apply)(x)
+    # out_dims of the output's structure: torch.func's result, a list output included
+    Zeros = _zeros_with_out_dims([None] if as_list else None, as_list)
+    close(tl.vmap(Zeros.apply)(x), tf.vmap(Zeros.apply)(x))

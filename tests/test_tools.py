@@ -278,3 +278,197 @@ def test_tools_compose_with_each_other_in_either_order():
     torch.testing.assert_close(cf(x), x @ x)
     assert cf.by_op == {"aten.mm": 2 * 4 * 4 * 4}
     assert log.getvalue().startswith(f"aten.mm.default(f32[4, 4]{_AT}, f32[4, 4]{_AT})")
+
+
+# -- a tool changes nothing where it sits -------------------------------------------------
+
+TOOLS = {"count_flops": tl.count_flops,
+         "log_ops": lambda f: tl.log_ops(f, file=io.StringIO())}
+
+
+def _autograd_grad_of_cube(x):
+    (g,) = torch.autograd.grad((x ** 3).sum(), x, create_graph=True)
+    return g.sum()
+
+
+def _detached_in_place(x):
+    y = x.sin()
+    y.detach_()
+    return (x * y).sum()
+
+
+def _hooked(x):
+    y = x.sin()
+    y.register_hook(lambda g: g * 10)
+    return y.sum()
+
+
+# functions that read what autograd says about their tensors: torch.func's grad answers as
+# for a function of its input (requires_grad True, a grad_fn; .data and detach_() stop it)
+READS_AUTOGRAD = {
+    "requires_grad": lambda x: (x * (2.0 if x.requires_grad else 3.0)).sum(),
+    "grad_fn": lambda x: (x.sin() * (2.0 if x.sin().grad_fn is not None else 3.0)).sum(),
+    "is_leaf": lambda x: (x.sin() * (3.0 if x.sin().is_leaf else 2.0)).sum(),
+    "data": lambda x: (x * x.data).sum(),
+    "detach_": _detached_in_place,
+    "register_hook": _hooked,
+    "autograd.grad": _autograd_grad_of_cube,
+}
+
+
+@pytest.mark.parametrize("tool", list(TOOLS))
+@pytest.mark.parametrize("name", list(READS_AUTOGRAD))
+def test_a_tool_inside_grad_answers_autograd_as_the_grad_does(tool, name):
+    f = READS_AUTOGRAD[name]
+    x = torch.randn(3, dtype=torch.float64)
+    torch.testing.assert_close(tl.grad(TOOLS[tool](f))(x), tf.grad(f)(x))
+
+
+@pytest.mark.parametrize("tool", list(TOOLS))
+def test_torch_func_differentiates_inside_a_tool(tool):
+    # torch.func's grad calls torch.autograd.grad on its own wrappers, not the tool's
+    f = lambda x: (x @ x.T).tanh().sum()  # noqa: E731
+    x = torch.randn(5, 3, 4, dtype=torch.float64)
+    torch.testing.assert_close(TOOLS[tool](tf.vmap(tf.grad(f)))(x), tf.vmap(tf.grad(f))(x))
+
+
+@pytest.mark.parametrize("tool", list(TOOLS))
+def test_a_tool_alone_keeps_what_autograd_outside_tracks(tool):
+    def pinn(x):  # a physics-informed loss takes du/dx of its input
+        (du,) = torch.autograd.grad((x ** 3).sum(), x, create_graph=True)
+        return du
+
+    x = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    assert TOOLS[tool](lambda x: x.requires_grad and not x.is_leaf)(x.sin()) is True
+    got = TOOLS[tool](pinn)(x)
+    torch.testing.assert_close(got, pinn(x))
+    torch.testing.assert_close(torch.autograd.grad(got.sum(), x)[0], 6 * x.detach())
+
+
+@pytest.mark.parametrize("tool", list(TOOLS))
+def test_a_tool_gives_an_out_tensor_the_shape_the_op_resized_it_to(tool):
+    def f(x):
+        o = x.new_empty(0)
+        torch.sin(x, out=o)
+        values, indices = x.new_empty(0), torch.empty(0, dtype=torch.long)
+        torch.sort(x, 1, out=(values, indices))
+        return o * o.shape[0] + values * values.shape[1] + indices
+
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(TOOLS[tool](f)(x), f(x))
+
+
+def test_a_tool_inside_grad_lets_it_take_in_a_buffer_written_in_place():
+    def into_buffer(x):  # a factory's buffer written with a value of the grad level
+        buf = torch.zeros(3, 4, dtype=x.dtype)
+        buf.add_(x.sin())
+        return buf.sum()
+
+    x = torch.randn(3, 4, dtype=torch.float64)
+    torch.testing.assert_close(tl.grad(tl.count_flops(into_buffer))(x), tf.grad(into_buffer)(x))
+
+
+def test_a_tool_inside_vmap_indexes_by_each_examples_0_dim_index():
+    index = lambda x, i: x[i]  # noqa: E731
+    x, i = torch.randn(3, 4), torch.tensor([0, 2, 1])
+    torch.testing.assert_close(tl.vmap(tl.count_flops(index))(x, i), tf.vmap(index)(x, i))
+
+    def write_through_row(x, i):  # alone, x[i] by a 0-dim tensor is a view, as without it
+        x[i].mul_(10)
+        return x
+
+    torch.testing.assert_close(tl.count_flops(write_through_row)(x.clone(), torch.tensor(1)),
+                               write_through_row(x.clone(), torch.tensor(1)))
+
+
+class ScaledMatmul(torch.autograd.Function):
+    """x @ w whose backward and jvp are twice the true derivative's x-part: a transform
+    that used them shows it (as torch.func's does)."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x, w):
+        return x @ w
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs)
+        ctx.save_for_forward(*inputs)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        return 2 * g @ w.mT, x.mT @ g
+
+    @staticmethod
+    def jvp(ctx, x_t, w_t):
+        x, w = ctx.saved_tensors
+        return 2 * x_t @ w + x @ w_t
+
+
+class NumpyCube(torch.autograd.Function):
+    """Runs in numpy, so only its vmap staticmethod can batch it."""
+
+    @staticmethod
+    def forward(x):
+        return torch.from_numpy(x.detach().numpy() ** 3)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def vmap(info, in_dims, x):
+        return NumpyCube.apply(x), in_dims[0]
+
+
+_WEIGHT = torch.randn(4, 5, dtype=torch.float64)
+_MATMUL_SUM = lambda x: ScaledMatmul.apply(x, _WEIGHT).sum()  # noqa: E731
+_MATMUL = lambda x: ScaledMatmul.apply(x, _WEIGHT)  # noqa: E731
+_TANGENT = torch.randn(3, 4, dtype=torch.float64)
+CUSTOM_FUNCTION_UNDER_A_TOOL = {  # (what torchlevels computes, with the tool, and torch.func)
+    "grad(tool(f))": lambda T, tool: T.grad(tool(_MATMUL_SUM)),
+    "vjp(tool(f))": lambda T, tool: lambda x: T.vjp(tool(_MATMUL), x)[1](torch.ones(3, 5).double()),
+    "jvp(tool(f))": lambda T, tool: lambda x: T.jvp(tool(_MATMUL), (x,), (_TANGENT,))[1],
+    "jacrev(tool(f))": lambda T, tool: T.jacrev(tool(_MATMUL)),
+    "tool(jacfwd(f))": lambda T, tool: tool(T.jacfwd(_MATMUL)),
+    "tool(jvp(f))": lambda T, tool: tool(lambda x: T.jvp(_MATMUL, (x,), (_TANGENT,))[1]),
+    "vmap(tool(f))": lambda T, tool: T.vmap(tool(NumpyCube.apply)),
+}
+
+
+@pytest.mark.parametrize("tool", list(TOOLS))
+@pytest.mark.parametrize("name", list(CUSTOM_FUNCTION_UNDER_A_TOOL))
+def test_a_custom_function_keeps_its_rules_with_a_tool_anywhere(tool, name):
+    program = CUSTOM_FUNCTION_UNDER_A_TOOL[name]
+    x = torch.randn(3, 4, dtype=torch.float64)
+    torch.testing.assert_close(program(tl, TOOLS[tool])(x), program(tf, lambda f: f)(x))
+
+
+@pytest.mark.parametrize("transform", [lambda f: f, tl.grad, tl.vmap, tl.jacfwd])
+def test_count_flops_sees_the_forward_of_a_custom_function(transform):
+    x = torch.randn(3, 4, dtype=torch.float64)
+    counted = tl.count_flops(transform(_MATMUL_SUM))
+    counted(x)
+    with FlopCounterMode(display=False) as mode:
+        transform(_MATMUL_SUM)(x)
+    assert counted.total == mode.get_total_flops() > 0
+
+
+def test_a_custom_function_under_a_tool_alone_is_differentiable():
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    out = tl.count_flops(_MATMUL_SUM)(x)
+    assert out.requires_grad
+    torch.testing.assert_close(torch.autograd.grad(out, x)[0],
+                               torch.autograd.grad(_MATMUL_SUM(x), x)[0])
+
+
+def test_checkpoint_in_a_tool_inside_grad_says_to_put_the_tool_outside():
+    from torch.utils.checkpoint import checkpoint
+
+    f = lambda x: checkpoint(lambda a: a.sin().exp(), x, use_reentrant=False).sum()  # noqa: E731
+    x = torch.randn(3)
+    with pytest.raises(tl.EscapedTensorError, match=r"checkpoint.*count_flops\(grad\(f\)\)"):
+        tl.grad(tl.count_flops(f))(x)
+    torch.testing.assert_close(tl.count_flops(tl.grad(f))(x), tl.grad(f)(x))

@@ -365,3 +365,31 @@ def test_compile_refuses_a_cache_size_limit_that_is_not_a_positive_int():
     for bad in (0, -1, 2.5, True):
         with pytest.raises(ValueError, match="cache_size_limit must be a positive int"):
             tl.compile(lambda x: x, cache_size_limit=bad)
+
+
+def _with_grad_mode_switched(x):
+    with torch.no_grad():
+        c = x * 2  # a constant for autograd
+    torch.set_grad_enabled(False)
+    d = x.exp()  # another one
+    torch.set_grad_enabled(True)
+    return (x * c * d).sum() + tl.grad(lambda z: (z.sin() * c).sum())(x).sum()
+
+
+@pytest.mark.parametrize("backend", [None, "inductor"])
+def test_compile_replays_the_grad_mode_each_op_ran_in(backend):
+    if backend == "inductor":
+        pytest.importorskip("torch._inductor")
+    compiled = tl.compile(_with_grad_mode_switched, backend=backend)
+    x = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    expected = torch.autograd.grad(_with_grad_mode_switched(x), x)[0]
+    for _ in range(3):  # the trace, then replays
+        torch.testing.assert_close(torch.autograd.grad(compiled(x), x)[0], expected)
+        assert torch.is_grad_enabled()
+    with torch.no_grad():  # enable_grad inside f under no_grad outside, too
+        def inside(x):
+            with torch.enable_grad():
+                return x.sin()
+
+        compiled = tl.compile(inside, backend=backend)
+        assert [compiled(x).requires_grad for _ in range(3)] == [True] * 3

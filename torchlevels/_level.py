@@ -167,6 +167,13 @@ class Level:
     def describe(self) -> str:
         return f"{self.kind} (created at {self.where})"
 
+    def new_class(self, name: str) -> type[LevelTensor]:
+        """The class of this level's tensors, named ``name``, nested in the innermost live
+        level (:func:`new_level_class`). Overridden by a level whose tensors answer Python
+        calls or attributes (``requires_grad``...) otherwise than PyTorch's wrappers do:
+        a tool's answer as the tensors they wrap."""
+        return new_level_class(self, name)
+
 
 def refuse_functional(api: str, tensor: torch.Tensor) -> None:
     """Inputs of torch.func.functionalize cannot enter a level: PyTorch crashes (vmap) or
@@ -594,14 +601,24 @@ def set_logical_meta(tensor: LevelTensor, shape, strides, storage_offset: int = 
 
 
 def escape_message(level: Level, func) -> str:
-    if level.functional and _in_checkpoint_recomputation():
+    if _in_checkpoint_recomputation():
+        if level.differentiates:
+            return (
+                f"{func}: torch.utils.checkpoint recomputed its function, in a backward pass "
+                f"taken after {level.describe()} exited, on that transform's tensors. "
+                "Checkpointing works inside grad and vmap(grad), whose backward pass runs "
+                "while they are live, but not under vjp or jacrev, whose backward pass runs "
+                "after the function returned, nor under a transform that differentiates a "
+                "backward pass (hessian, grad of grad, grad of jvp): remove the checkpoint "
+                "there."
+            )
         return (
             f"{func}: torch.utils.checkpoint recomputed its function, in a backward pass "
-            f"taken after {level.describe()} exited, on that transform's tensors. "
-            "Checkpointing works inside grad and vmap(grad), whose backward pass runs "
-            "while they are live, but not under vjp or jacrev, whose backward pass runs "
-            "after the function returned, nor under a transform that differentiates a "
-            "backward pass (hessian, grad of grad, grad of jvp): remove the checkpoint there."
+            f"taken after {level.describe()} exited, on that level's tensors: a transform "
+            "around it (grad(count_flops(f)), grad(vmap(f))), or autograd outside it "
+            "(count_flops(f)(x).sum().backward()), runs its backward pass after the "
+            "function returned. Put this level outside what differentiates "
+            "(count_flops(grad(f)), vmap(grad(f))), or remove the checkpoint."
         )
     if level.functional:
         return (
@@ -785,7 +802,7 @@ def enter_level(level: Level, name: str = "LevelTensor") -> Iterator[type[LevelT
         tensor([3., 3.])
     """
     level.where = _user_frame()  # where it is entered (not where the user's class made it)
-    with entered(new_level_class(level, name)) as cls:
+    with entered(level.new_class(name)) as cls:
         yield cls
 
 

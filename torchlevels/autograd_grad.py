@@ -11,7 +11,9 @@ so the level differentiates through them); every other call is PyTorch's own. Am
 those are a level's own calls, on tensors of the levels around it that carry its graph.
 Such a call may also name plain tensors, or tensors of the levels around it, that the
 level's graph holds: a leaf made inside ``f`` for a gradient penalty, ``du/dx`` at a
-``x.detach().requires_grad_()``, differentiates as it would without the transform.
+``x.detach().requires_grad_()``, differentiates as it would without the transform. A
+tool's level (``count_flops``) hands a call on its tensors to the level around it, as if
+the tool were not there.
 
 Example::
 
@@ -42,6 +44,7 @@ from torchlevels._level import (
     wrap_inner,
 )
 from torchlevels.autodiff import GradLevel, backward_pass
+from torchlevels.tools.forwarding import ForwardingLevel
 
 pytorch_grad = torch.autograd.grad  # PyTorch's own
 
@@ -84,12 +87,12 @@ def _tensors(arg: Any) -> list | None:
     return None
 
 
-def _at_grad_level(outputs: Any, inputs: Any) -> tuple[type[LevelTensor], list, list] | None:
-    """The class of the innermost live level and the call's outputs and inputs as lists,
-    if that level is a grad level and the call is on its tensors, else None: PyTorch's own
-    call. The others must be tensors the level's graph can hold: plain tensors, or those
-    of the levels around it (a leaf made inside ``f``, as for a gradient penalty)."""
-    cls = innermost()
+def _at_grad_level(cls: type[LevelTensor] | None, outputs: Any, inputs: Any
+                   ) -> tuple[type[LevelTensor], list, list] | None:
+    """``cls`` and the call's outputs and inputs as lists, if ``cls`` is a grad level's
+    class and the call is on its tensors, else None: PyTorch's own call. The others must
+    be tensors the level's graph can hold: plain tensors, or those of the levels around
+    it (a leaf made inside ``f``, as for a gradient penalty)."""
     if cls is None or not isinstance(cls._level, GradLevel):
         return None
     outs, ins = _tensors(outputs), _tensors(inputs)
@@ -116,7 +119,24 @@ def grad(outputs: Any, inputs: Any, grad_outputs: Any = None, *args: Any, **kwar
     if _own_call.get():
         _own_call.set(False)  # calls made while this one runs are the user's again
         return on_this_thread(outputs, inputs, grad_outputs, *args, **kwargs)
-    found = _at_grad_level(outputs, inputs)
+    return _differentiated_at(innermost(), outputs, inputs, grad_outputs, args, kwargs)
+
+
+def _differentiated_at(cls: type[LevelTensor] | None, outputs: Any, inputs: Any,
+                       grad_outputs: Any, args: tuple, kwargs: dict) -> Any:
+    """``torch.autograd.grad`` called while ``cls`` is the innermost live level. A tool's
+    level (count_flops...) passes the call on to the level around it, with its tensors
+    unwrapped and the gradients wrapped again: they stand for the same values."""
+    if cls is not None and isinstance(cls._level, ForwardingLevel):
+        outer = cls.__base__ if cls.__base__ is not LevelTensor else None
+        if not any(type(t) is cls for t in (*(_tensors(outputs) or ()),
+                                            *(_tensors(inputs) or ()))):
+            return _differentiated_at(outer, outputs, inputs, grad_outputs, args, kwargs)
+        results = _differentiated_at(
+            outer, unwrap_own(outputs, cls), unwrap_own(inputs, cls),
+            unwrap_own(grad_outputs, cls), args, kwargs)
+        return tuple(None if r is None else wrap_inner(cls, r) for r in results)
+    found = _at_grad_level(cls, outputs, inputs)
     if found is None:
         call = on_this_thread if innermost() is not None else pytorch_grad
         return call(outputs, inputs, grad_outputs, *args, **kwargs)

@@ -17,7 +17,10 @@ arguments hold no level tensor goes straight to PyTorch's ``apply``; otherwise t
   calls ``MyFn.jvp``;
 - a **vmap level** calls ``MyFn.vmap``, or with ``generate_vmap_rule = True`` applies a
   Function whose forward, setup_context, backward and jvp are ``MyFn``'s under a vmap
-  over the physical tensors (levels further out then see a custom backward too).
+  over the physical tensors (levels further out then see a custom backward too);
+- a **tool's level** (``count_flops``, a ``ForwardingLevel``) applies ``MyFn`` one level
+  out, with a forward that runs ``MyFn.forward`` on its tensors again: the levels out
+  there use ``MyFn``'s rules, and the tool sees the forward's ops.
 
 Like torch.func, a user's Function must use the ``setup_context`` style under a
 transform. PyTorch's own ctx-style Functions run as before, their ops seen by the levels:
@@ -34,8 +37,9 @@ from typing import Any
 import torch
 import torch.autograd.forward_ad as fwAD
 from torch.autograd.function import Function, _SingleLevelFunction
+from torch.utils._pytree import TreeSpec, _broadcast_to_and_flatten, tree_flatten, tree_unflatten
 
-from torchlevels._level import LevelTensor
+from torchlevels._level import LevelTensor, wrap_inner
 from torchlevels._process_state import dual_level
 from torchlevels.autodiff import (
     GradLevel,
@@ -47,6 +51,7 @@ from torchlevels.autodiff import (
 )
 from torchlevels.batching.composite import _deepest_level
 from torchlevels.batching.registry import VmapInfo
+from torchlevels.tools.forwarding import ForwardingLevel
 from torchlevels.vmap import BatchLevel, batch_level, wrap_batched
 
 _pytorch_apply = Function.apply.__func__  # PyTorch's own apply, called for non-level args
@@ -80,6 +85,8 @@ def _apply(fn: type[Function], *args: Any, **kwargs: Any) -> Any:
         return _jvp_rule(cls, fn, args, kwargs)
     if isinstance(level, BatchLevel):
         return _vmap_rule(cls, fn, args, kwargs)
+    if isinstance(level, ForwardingLevel):
+        return _forwarding_rule(cls, fn, args, kwargs)
     return _pytorch_apply(fn, *args, **kwargs)  # a level with no rule: forward's ops
 
 
@@ -125,14 +132,15 @@ def _one_level_out(fn: type[Function], kwargs: dict,
         with torch.set_grad_enabled(grad_on), fwAD._set_fwd_grad_enabled(fwd_grad_on):
             return fn.apply(*inner, **kwargs)
 
-    def forward(*inner):
-        if not copy_views:
-            return redispatch(*inner)
-        versions = [t._version if isinstance(t, torch.Tensor) else None for t in inner]
-        return _unaliased(redispatch(*inner), inner, versions)
-
     def setup_context(ctx, inputs, output):
         return fn.setup_context(ctx, inputs, output)
+
+    def forward_unaliased(ctx, *inner):
+        # fn's setup_context runs in forward (ctx style), before the outputs are copied:
+        # an input it marks dirty is returned as itself
+        out = redispatch(*inner)
+        setup_context(ctx, inner, out)
+        return _unaliased(out, inner, ctx.dirty_tensors or ())
 
     def backward(ctx, *grads):
         return fn.backward(ctx, *grads)
@@ -140,21 +148,22 @@ def _one_level_out(fn: type[Function], kwargs: dict,
     def jvp(ctx, *tangents):
         return fn.jvp(ctx, *tangents)
 
-    rules = {"forward": forward, "setup_context": setup_context, "backward": backward,
-             "jvp": jvp}
+    rules = {"backward": backward, "jvp": jvp}
+    if copy_views:
+        rules["forward"] = forward_unaliased
+    else:
+        rules.update(forward=redispatch, setup_context=setup_context)
     return type(f"{fn.__name__}OneLevel", (_SingleLevelFunction,),
                 {name: staticmethod(f) for name, f in rules.items()})
 
 
-def _unaliased(out: Any, inputs: tuple, versions: list) -> Any:
-    """``out`` with each view, and each input returned as is but not modified, copied.
+def _unaliased(out: Any, inputs: tuple, dirty: tuple) -> Any:
+    """``out`` with each view, and each input returned as is but not ``dirty``, copied.
 
     PyTorch's forward AD wants ``jvp`` to return a view for such an output; torch.func takes
     the tangent ``jvp`` gives (a straight-through ``x.view_as(x)`` whose jvp is ``-t``).
-    An input modified in place (``ctx.mark_dirty``) stays itself.
+    An input marked dirty (``ctx.mark_dirty``, modified in place) stays itself.
     """
-    dirty = [t for t, v in zip(inputs, versions) if v is not None and t._version != v]
-
     def one(o):
         if not isinstance(o, torch.Tensor) or any(o is t for t in dirty):
             return o
@@ -200,6 +209,27 @@ def _jvp_rule(J: type[LevelTensor], fn, args: tuple, kwargs: dict) -> Any:
         return _keep_identity(out, duals, args, lambda o: _from_dual(J, o, level))
 
 
+def _forwarding_rule(T: type[LevelTensor], fn, args: tuple, kwargs: dict) -> Any:
+    """Apply ``fn`` one level out of tool level ``T``, so that the levels there use its
+    rules (a grad level its backward), with a forward that wraps its arguments at ``T``
+    again wherever it runs: the tool sees the forward's ops, as it sees any others."""
+    def forward(*xs, **kw):
+        out = fn.forward(*(_map_tensors(lambda t: wrap_inner(T, t), x) for x in xs), **kw)
+        return _map_level(T, lambda t: t._inner, out)
+
+    watched = type(fn.__name__, (fn,), {"forward": staticmethod(forward)})
+    inner = tuple(_map_level(T, lambda t: t._inner, a) for a in args)
+    out = watched.apply(*inner, **kwargs)
+    return _keep_identity(out, inner, args, lambda o: wrap_inner(T, o))
+
+
+def _map_tensors(f, a: Any) -> Any:
+    """``f`` of each tensor in ``a``, also inside lists and tuples."""
+    if type(a) in (list, tuple):
+        return type(a)(_map_tensors(f, x) for x in a)
+    return f(a) if isinstance(a, torch.Tensor) else a
+
+
 # -- vmap: the vmap staticmethod, or fn's rules run under vmap -----------------------------
 
 
@@ -226,7 +256,7 @@ def _vmap_rule(B: type[LevelTensor], fn, args: tuple, kwargs: dict) -> Any:
             )
         vmapped, out_dims_of = _vmapped_function(fn, in_dims, level, kwargs)
         out = vmapped.apply(*inner)  # levels further out see a Function too
-        out_dims = out_dims_of()
+        out_dims = out_dims_of() if isinstance(out, tuple) else out_dims_of()[0]
     elif _has_vmap_staticmethod(fn):
         result = fn.vmap(VmapInfo(level.batch_size, level.randomness), in_dims, *inner, **kwargs)
         if not (isinstance(result, tuple) and len(result) == 2):
@@ -241,24 +271,26 @@ def _vmap_rule(B: type[LevelTensor], fn, args: tuple, kwargs: dict) -> Any:
             "override and implement the vmap staticmethod or set generate_vmap_rule=True. For "
             "more details, please see https://pytorch.org/docs/main/notes/extending.func.html"
         )
-    outs = out if isinstance(out, tuple) else (out,)
-    dims = _per_output(out_dims, len(outs))
-    wrapped = tuple(
+    outs, spec = tree_flatten(out)
+    dims = _per_output(out_dims, spec)
+    wrapped = [
         _keep_identity(o, inner, args, lambda t, d=d: t if d is None else wrap_batched(B, t, d))
         for o, d in zip(outs, dims)
-    )
-    return wrapped if isinstance(out, tuple) else wrapped[0]
+    ]
+    return tree_unflatten(wrapped, spec)
 
 
-def _per_output(out_dims: Any, n: int) -> tuple:
-    if out_dims is None or isinstance(out_dims, int):
-        return (out_dims,) * n
-    if not (isinstance(out_dims, tuple) and len(out_dims) == n):
+def _per_output(out_dims: Any, spec: TreeSpec) -> list:
+    """The batch dim of each output, ``out_dims`` a prefix of the outputs' structure
+    ``spec`` (one int or None for all of them, or one per output), as torch.func takes it."""
+    dims = _broadcast_to_and_flatten(out_dims, spec)
+    if dims is None:
         raise RuntimeError(
             f"The autograd.Function's vmap staticmethod returned an incompatible (output, "
-            f"out_dims) tuple: out_dims={out_dims} for {n} outputs."
-        )
-    return out_dims
+            f"out_dims) tuple. Expected out_dims={out_dims} to be compatible with the "
+            f"structure of `output`. out_dims has structure {tree_flatten(out_dims)[1]} but "
+            f"output has structure {spec}.")
+    return dims
 
 
 def _under_vmap(func, tensors: tuple, dims: tuple, level: BatchLevel, ctx_of=None):

@@ -31,7 +31,7 @@ import torch
 import torch.autograd.forward_ad as forward_ad
 import torch.nn.functional as F
 
-from torchlevels._level import LevelTensor, new_wrapper
+from torchlevels._level import LevelTensor, memory_of, new_wrapper
 from torchlevels.batching.dims import pad_to_rank, per_example
 from torchlevels.batching.max_pool import max_pool
 from torchlevels.batching.predispatch import unintercepted
@@ -99,11 +99,14 @@ _GETITEM, _SETITEM = torch.Tensor.__getitem__, torch.Tensor.__setitem__
 
 
 def _level_scalars(index: Any) -> list[int]:
-    """The positions in ``index`` of 0-dim integer tensors of a level (``a[i]`` with ``i``
-    one example's index under vmap)."""
+    """The positions in ``index`` of 0-dim integer tensors of a level that hold a value
+    per example (``a[i]`` with ``i`` one example's index under vmap): the memory of one
+    that holds a single value (a tool's, a grad level's) is 0-dim too, and PyTorch reads
+    it as an int, selecting a view as it does outside the levels."""
     items = index if type(index) is tuple else (index,)
     return [k for k, i in enumerate(items) if isinstance(i, LevelTensor) and i.dim() == 0
-            and not i.is_floating_point() and not i.is_complex() and i.dtype != torch.bool]
+            and not i.is_floating_point() and not i.is_complex() and i.dtype != torch.bool
+            and memory_of(i).dim()]
 
 
 def _index_by_level_scalars(func, args: tuple, scalars: list[int]) -> Any:

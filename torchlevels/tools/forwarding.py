@@ -21,14 +21,18 @@ from torchlevels._level import (
     Level,
     LevelTensor,
     autograd_on,
+    data_property,
     follow_inner,
+    new_level_class,
+    requires_grad_flag,
     through,
     unwrap_own,
     wrap_all,
     wrap_inner,
     wraps,
 )
-from torchlevels.batching.registry import writes_first_argument
+from torchlevels.batching.registry import written_arguments, written_positions
+from torchlevels.batching.shortcuts import no_shortcuts
 
 
 class ForwardingLevel(Level):
@@ -36,7 +40,8 @@ class ForwardingLevel(Level):
 
     Subclass it and override :meth:`process`; enter it with :func:`torchlevels.enter_level`.
     Autograd outside the level sees the ops on the wrapped tensors, so
-    ``count_flops(f)(x).sum().backward()`` differentiates ``f`` as usual.
+    ``count_flops(f)(x).sum().backward()`` differentiates ``f`` as usual, and code in
+    ``f`` reads what it would read without the level (``requires_grad``, ``grad_fn``...).
 
     Example::
 
@@ -56,6 +61,15 @@ class ForwardingLevel(Level):
     """
 
     kind = "forwarding"
+
+    def new_class(self, name: str) -> type[LevelTensor]:
+        """A class whose tensors answer autograd's attributes as the tensors they wrap do
+        (see ``_AS_WRAPPED``), and hand each Python call on as the levels around handle
+        it there (a grad level takes in a plain buffer written in place, vmap indexes by
+        each example's 0-dim index), answering none themselves."""
+        cls = new_level_class(self, name, classmethod(no_shortcuts), **_AS_WRAPPED)
+        cls._has_torch_function = False  # (no shortcuts of its own)
+        return cls
 
     def wrap(self, cls: type[LevelTensor], tensor: torch.Tensor) -> torch.Tensor:
         """``L(t)``: ``t`` as a tensor of this level (same value, watched from now on)."""
@@ -83,12 +97,99 @@ class ForwardingLevel(Level):
         inner_kwargs = {k: unwrap_own(v, cls) for k, v in kwargs.items()} if kwargs else {}
         with autograd_on():  # autograd outside records on the inner tensors, as grad does
             out = self.process(func, tuple(inner_args), inner_kwargs)
-        if writes_first_argument(func):
-            self_ = args[0]
-            if type(self_) is cls:
-                follow_inner(self_)
-            return self_
-        return wrap_all(cls, out)
+        if not written_positions(func):
+            return wrap_all(cls, out)
+        return _written_outputs(cls, func, args, kwargs, out)
+
+
+def _written_outputs(cls: type[LevelTensor], func, args: tuple, kwargs: dict, out: Any) -> Any:
+    """The outputs of ``func``, which wrote some of its arguments (in place, or ``out=``):
+    each of ours written takes its inner tensor's new shape (``squeeze_``, an ``out=``
+    tensor the op resized), and an output that is a written argument is that argument."""
+    arguments = func._schema.arguments
+
+    def argument(k: int) -> Any:
+        return args[k] if k < len(args) else kwargs.get(arguments[k].name)
+
+    for k in written_positions(func):
+        written = argument(k)
+        for t in written if type(written) in (list, tuple) else (written,):
+            if type(t) is cls:
+                follow_inner(t)
+    returned = written_arguments(func)
+    if isinstance(out, torch.Tensor):
+        return wrap_all(cls, out) if returned[0] is None else argument(returned[0])
+    if isinstance(out, (tuple, list)):
+        return type(out)(wrap_all(cls, o) if k is None else argument(k)
+                         for o, k in zip(out, returned))
+    return out
+
+
+# PyTorch's own answers, for a tool's tensor that autograd records on itself: a grad level
+# inside the tool makes its leaves of the tool's tensors (and its ops' results on them)
+_OWN_GRAD_FN = torch._C.TensorBase.grad_fn.__get__
+_OWN_IS_LEAF = torch._C.TensorBase.is_leaf.__get__
+_OWN_DATA = torch._C.TensorBase.data.__get__
+
+
+def _requires_grad(t: LevelTensor) -> bool:
+    return requires_grad_flag(t) or t._inner.requires_grad
+
+
+def _set_requires_grad(t: LevelTensor, requires_grad: bool) -> None:
+    t._inner.requires_grad = requires_grad
+
+
+def _requires_grad_(t: LevelTensor, requires_grad: bool = True) -> LevelTensor:
+    t._inner.requires_grad_(requires_grad)
+    return t
+
+
+def _grad_fn(t: LevelTensor) -> Any:
+    return _OWN_GRAD_FN(t) if requires_grad_flag(t) else t._inner.grad_fn
+
+
+def _is_leaf(t: LevelTensor) -> bool:
+    return _OWN_IS_LEAF(t) if requires_grad_flag(t) else t._inner.is_leaf
+
+
+def _data(t: LevelTensor) -> torch.Tensor:
+    return _OWN_DATA(t) if requires_grad_flag(t) else wrap_inner(type(t), t._inner.data)
+
+
+def _detach_(t: LevelTensor) -> LevelTensor:
+    if requires_grad_flag(t):
+        return torch.Tensor.detach_(t)
+    t._inner.detach_()
+    return t
+
+
+def _register_hook(t: LevelTensor, hook: Callable) -> Any:
+    if requires_grad_flag(t):
+        return torch.Tensor.register_hook(t, hook)
+    return t._inner.register_hook(hook)
+
+
+def _backward(t: LevelTensor, gradient: Any = None, *args: Any, **kwargs: Any) -> None:
+    if requires_grad_flag(t):
+        return torch.Tensor.backward(t, gradient, *args, **kwargs)
+    return t._inner.backward(unwrap_own(gradient, type(t)), *args, **kwargs)
+
+
+# What a forwarding level's tensors answer: what the tensor each wraps answers, so that
+# code reading them computes as it would without the tool (inside grad, ``t.requires_grad``
+# is True for a tensor computed from the input; ``t.data`` stops the grad tracking it),
+# unless autograd records on the tensor itself (see _OWN_GRAD_FN)
+_AS_WRAPPED = {
+    "requires_grad": property(_requires_grad, _set_requires_grad),
+    "requires_grad_": _requires_grad_,
+    "grad_fn": property(_grad_fn),
+    "is_leaf": property(_is_leaf),
+    "data": data_property(_data),
+    "detach_": _detach_,
+    "register_hook": _register_hook,
+    "backward": _backward,
+}
 
 
 def call_in_level(cls: type[LevelTensor], func: Callable, args: tuple, kwargs: dict) -> Any:

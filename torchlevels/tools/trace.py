@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 from torch.fx import GraphModule
-from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -48,7 +48,10 @@ def trace(func: Callable) -> Callable[..., GraphModule]:
     inputs), and the storage offset an ``as_strided`` under vmap reads from an input.
     Raises :class:`DataDependentError` if ``f`` reads a tensor's value into Python
     (``.item()``, ``if t:``, ``.tolist()``, ``.numpy()``): the graph would hold the branch
-    taken for these inputs only. Call it outside every transform.
+    taken for these inputs only. Where an input or a captured tensor requires grad, the
+    graph also switches grad mode where it was switched while tracing (a
+    ``torch.no_grad()`` block in ``f``), so that autograd records a replay as it
+    recorded ``f``. Call it outside every transform.
 
     Example::
 
@@ -84,6 +87,7 @@ def _trace(func: Callable, args: tuple, kwargs: dict) -> tuple[GraphModule, Any,
 
     def flat_func(*tensor_args: torch.Tensor) -> list:
         nonlocal out_spec, outputs
+        _note_grad_mode(get_proxy_mode().tracer)
         leaves = list(flat)
         for i, t in zip(tensors, tensor_args):
             leaves[i] = t
@@ -101,8 +105,46 @@ def _trace(func: Callable, args: tuple, kwargs: dict) -> tuple[GraphModule, Any,
     _check_no_python_values(gm, func)
     drop_aliases(gm)
     gm.graph.eliminate_dead_code()
+    if _recorded_by_autograd(gm, [flat[i] for i in tensors]):
+        _replay_grad_modes(gm.graph, torch.is_grad_enabled())
     gm.recompile()
     return gm, out_spec, outputs
+
+
+_GRAD_ENABLED = "torchlevels_grad_enabled"
+
+
+def _note_grad_mode(tracer: Any) -> None:
+    """Make make_fx's ``tracer`` note on each node it makes whether grad mode was on when
+    the op ran: make_fx sees ops below autograd, and its graph would not hold that."""
+    create_node = tracer.create_node
+
+    def noting(*args: Any, **kwargs: Any) -> torch.fx.Node:
+        node = create_node(*args, **kwargs)
+        node.meta[_GRAD_ENABLED] = torch.is_grad_enabled()
+        return node
+
+    tracer.create_node = noting
+
+
+def _recorded_by_autograd(gm: GraphModule, inputs: list) -> bool:
+    """Whether autograd may record a replay of ``gm``: an input or a captured tensor
+    requires grad."""
+    constants = (getattr(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr")
+    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in (*inputs, *constants))
+
+
+def _replay_grad_modes(graph: torch.fx.Graph, enabled: bool) -> None:
+    """Switch grad mode in ``graph`` where it was switched while tracing (``torch.no_grad()``
+    in ``f``, PyTorch's backward pass), from ``enabled`` at the call and back at its end:
+    autograd outside then records the ops of a replay that it recorded when traced."""
+    current = enabled
+    for node in list(graph.nodes):
+        mode = enabled if node.op == "output" else node.meta.get(_GRAD_ENABLED, current)
+        if node.op in ("call_function", "output") and mode != current:
+            with graph.inserting_before(node):
+                graph.call_function(torch._C._set_grad_enabled, (mode,))
+            current = mode
 
 
 def drop_aliases(gm: GraphModule) -> None:
