@@ -236,12 +236,9 @@ class GradLevel(Level):
         return wrap_all(cls, out)
 
     def dispatch(self, cls, func, args, kwargs):
-        if self.paused:  # a grad level inside was entered with grad mode off
+        if self.paused and torch.is_grad_enabled():  # (see paused_outside)
             with torch.no_grad():
-                return self._dispatch(cls, func, args, kwargs)
-        return self._dispatch(cls, func, args, kwargs)
-
-    def _dispatch(self, cls, func, args, kwargs):
+                return self.dispatch(cls, func, args, kwargs)
         if not self.captures_tracked:
             self.captures_tracked = _captures_tracked(cls, args) or (
                 bool(kwargs) and _captures_tracked(cls, kwargs.values()))
@@ -571,12 +568,9 @@ class JvpLevel(Level):
         return _wrap(cls, tensor._inner, tensor._tangent)
 
     def dispatch(self, cls, func, args, kwargs):
-        if self.paused:  # a jvp level inside was entered with forward grad off
+        if self.paused and torch._C._is_fwd_grad_enabled():  # (see paused_outside)
             with fwAD._set_fwd_grad_enabled(False):
-                return self._dispatch(cls, func, args, kwargs)
-        return self._dispatch(cls, func, args, kwargs)
-
-    def _dispatch(self, cls, func, args, kwargs):
+                return self.dispatch(cls, func, args, kwargs)
         inplace = writes_first_argument(func)
         if inplace and type(args[0]) is not cls:
             return lift_written(cls, func, args, kwargs, self.kind, _memory_constant)
@@ -604,7 +598,7 @@ class JvpLevel(Level):
         level = fwAD._current_level
         if level < 0:  # a jvp level outlived the forward-AD level it entered
             with _dual_level():
-                return self._dispatch(cls, func, args, kwargs)
+                return self.dispatch(cls, func, args, kwargs)
         try:
             return self._on_duals(cls, func, args, kwargs, inplace, level)
         except NotImplementedError as e:
