@@ -1372,32 +1372,6 @@ def test_jvp_inside_a_custom_functions_forward(lib):
     torch.testing.assert_close(MinusDerivativeOfCos.apply(X), X.sin())
 
 
-SPARSE_X = torch.sparse_coo_tensor(torch.tensor([[0, 1, 1], [2, 0, 2]]),
-                                   torch.tensor([3.0, 4.0, 5.0]), (2, 3)).coalesce()
-SPARSE_W = torch.randn(3, 4, generator=seeded(3))
-ON_SPARSE = {
-    "grad of sparse.mm": lambda lib: lib.grad(
-        lambda s: torch.sparse.mm(s, SPARSE_W).sum())(SPARSE_X),
-    "grad of sparse.sum": lambda lib: lib.grad(torch.sparse.sum)(SPARSE_X),
-    "grad of to_dense": lambda lib: lib.grad(
-        lambda s: (s * 2).to_dense().pow(2).sum())(SPARSE_X),
-    "vjp of sparse.mm": lambda lib: lib.vjp(
-        lambda s: torch.sparse.mm(s, SPARSE_W), SPARSE_X)[1](torch.ones(2, 4))[0],
-    "grad of the weight": lambda lib: lib.grad(
-        lambda w: torch.sparse.mm(SPARSE_X, w).sum())(SPARSE_W),
-}
-
-
-@pytest.mark.parametrize("case", list(ON_SPARSE))
-def test_sparse_inputs_keep_their_layout_inside_a_transform_as_in_torch_func(case):
-    """A level's tensor of a sparse COO tensor has its layout (it said strided, so sparse
-    ops inside refused it), and the gradient is sparse, as torch.func's."""
-    ours, theirs = ON_SPARSE[case](tl), ON_SPARSE[case](tf)
-    for a, b in zip(tree_flatten(ours)[0], tree_flatten(theirs)[0]):
-        assert a.layout == b.layout
-        torch.testing.assert_close(a.to_dense(), b.to_dense())
-
-
 def test_torch_autograd_functional_inside_grad_raises_naming_what_to_call_instead():
     """torch.func raises too (its message names autograd.functional; ours the fix)."""
     f = lambda x: torch.autograd.functional.jacobian(torch.sin, x).sum()  # noqa: E731
