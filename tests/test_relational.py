@@ -13,7 +13,7 @@ from vmap_reference import seeded
 
 from tests.relational_reference import assert_same_rows, duck_rows, our_rows
 from torchlevels.dim import DimensionBindError, dims
-from torchlevels.relational import Table, cat, groupby, where
+from torchlevels.relational import Table, _fuse, cat, groupby, where
 from torchlevels.relational import _where as where_module
 
 PEOPLE = pa.table({
@@ -31,6 +31,15 @@ ORDERS = pa.table({
     "who": pa.array(["ann", "ann", "bob", "cy", None, "bob", "zed"]),
     "amount": pa.array([5.0, 7.5, None, 1.0, 2.0, 3.0, 4.0]),
 })
+
+
+@pytest.fixture(params=[False, True], ids=["op by op", "compiled"])
+def fused(request, monkeypatch) -> bool:
+    """Each test run op by op, and with its aggregates run as the compiled kernel (which
+    only large tables take otherwise)."""
+    if request.param:
+        monkeypatch.setattr(_fuse, "FUSE_MIN_ROWS", 0)
+    return request.param
 
 
 @pytest.fixture(scope="module")
@@ -279,12 +288,7 @@ def test_float_comparisons_order_nan_above_all_as_duckdb(con, floats, predicate,
     assert_same_rows(our_rows(f.order(R2)), duck_rows(con, f"select * from floats where {sql}"))
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["op by op", "compiled"])
-def test_float_aggregates_and_groups_treat_nan_as_duckdb(con, floats, monkeypatch, fused):
-    from torchlevels.relational import _fuse
-
-    if fused:  # the column without nulls reduces in the compiled kernel
-        monkeypatch.setattr(_fuse, "FUSE_MIN_ROWS", 0)
+def test_float_aggregates_and_groups_treat_nan_as_duckdb(con, floats, fused):
     R = dims(1)
     r = floats[R]
     totals = [(r[c].min(R).item(), r[c].max(R).item(), r[c].count_distinct(R).item())
@@ -444,8 +448,6 @@ def test_grouping_filtered_rows_leaves_the_others_out(con, people):
 
 
 def test_compiled_reductions_match_eager(monkeypatch):
-    from torchlevels.relational import _fuse
-
     gen = seeded(0)
     t = Table({"k": torch.randint(0, 5, (1000,), generator=gen),
                "x": torch.randn(1000, generator=gen), "i": torch.randint(-9, 9, (1000,),
@@ -551,8 +553,6 @@ def test_joins_from_several_threads_at_once():
 
 
 def test_one_compiled_kernel_serves_every_parameter_value(monkeypatch):
-    from torchlevels.relational import _fuse
-
     monkeypatch.setattr(_fuse, "FUSE_MIN_ROWS", 0)
     gen = seeded(1)
     t = Table({"x": torch.rand(500, generator=gen, dtype=torch.float64),
@@ -721,17 +721,12 @@ BIG = pa.table({"x": pa.array([2**62, 1, -3], pa.int64()), "k": pa.array([1, 1, 
                 "m": pa.array([-2**63, 5, 0], pa.int64())})
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["op by op", "compiled"])
 @pytest.mark.parametrize("expr, sql", [
     (lambda r: r["x"] + r["x"], "x + x"), (lambda r: r["x"] * 4, "x * 4"),
     (lambda r: 2 * r["x"] - 1, "2 * x - 1"), (lambda r: r["x"] - (-r["x"]), "x - (-x)"),
     (lambda r: -r["m"], "-m"), (lambda r: r["m"] * -1, "m * -1"), (lambda r: r["m"] - 1, "m - 1"),
 ])
-def test_int64_overflow_is_an_error_as_in_duckdb(con, monkeypatch, fused, expr, sql):
-    from torchlevels.relational import _fuse
-
-    if fused:
-        monkeypatch.setattr(_fuse, "FUSE_MIN_ROWS", 0)
+def test_int64_overflow_is_an_error_as_in_duckdb(con, fused, expr, sql):
     t = _register(con, "big", BIG)
     with pytest.raises(duckdb.Error, match="Overflow|out of range"):
         duck_rows(con, f"select sum({sql}) from big")
@@ -740,12 +735,7 @@ def test_int64_overflow_is_an_error_as_in_duckdb(con, monkeypatch, fused, expr, 
         expr(t[R]).sum(R).item()
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["op by op", "compiled"])
-def test_int64_arithmetic_and_sums_that_fit_match_duckdb(con, monkeypatch, fused):
-    from torchlevels.relational import _fuse
-
-    if fused:
-        monkeypatch.setattr(_fuse, "FUSE_MIN_ROWS", 0)
+def test_int64_arithmetic_and_sums_that_fit_match_duckdb(con, fused):
     t = _register(con, "big", BIG)
     R = dims(1)
     r = t[R]
@@ -978,12 +968,7 @@ BOOLS = pa.table({"k": pa.array([1, 1, 2, 2, 3], pa.int64()),
                   "x": pa.array([1, 2, 3, 4, 5], pa.int64())})
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["op by op", "compiled"])
-def test_sums_of_bools_count_the_true_values_as_duckdb(con, monkeypatch, fused):
-    from torchlevels.relational import _fuse
-
-    if fused:
-        monkeypatch.setattr(_fuse, "FUSE_MIN_ROWS", 0)
+def test_sums_of_bools_count_the_true_values_as_duckdb(con, fused):
     t = _register(con, "bools", BOOLS)
     R = dims(1)
     r = t[R]
@@ -1077,12 +1062,7 @@ ARITH = pa.table({"i": pa.array([3, -7, None, 0, 2**62], pa.int64()),
                   "b": pa.array([True, False, None, True, False])})
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["op by op", "compiled"])
-def test_abs_and_powers_match_duckdb(con, monkeypatch, fused):
-    from torchlevels.relational import _fuse
-
-    if fused:
-        monkeypatch.setattr(_fuse, "FUSE_MIN_ROWS", 0)
+def test_abs_and_powers_match_duckdb(con, fused):
     t = _register(con, "arith", ARITH)
     R = dims(1)
     r = t[R]
