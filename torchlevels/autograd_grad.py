@@ -38,6 +38,7 @@ from torchlevels._level import (
     EscapedTensorError,
     LevelTensor,
     UnrelatedLevelsError,
+    enclosing_classes,
     escape_message,
     innermost,
     unwrap_own,
@@ -128,7 +129,7 @@ def _differentiated_at(cls: type[LevelTensor] | None, outputs: Any, inputs: Any,
     level (count_flops...) passes the call on to the level around it, with its tensors
     unwrapped and the gradients wrapped again: they stand for the same values."""
     if cls is not None and isinstance(cls._level, ForwardingLevel):
-        outer = cls.__base__ if cls.__base__ is not LevelTensor else None
+        outer = next(enclosing_classes(cls.__base__), None)
         if not any(type(t) is cls for t in (*(_tensors(outputs) or ()),
                                             *(_tensors(inputs) or ()))):
             return _differentiated_at(outer, outputs, inputs, grad_outputs, args, kwargs)

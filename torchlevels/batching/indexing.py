@@ -390,8 +390,7 @@ def _check_convertible(values: torch.Tensor, dtype: torch.dtype) -> None:
     example's fill would (its value read as a number): the values that overflow form no
     interval inside one, so checking the least and the greatest is enough. The values
     are read under the levels outside this one (nested vmap), where every example's are."""
-    while isinstance(values, LevelTensor):
-        values = values._inner
+    values = memory_of(values)
     if values.is_complex():
         if dtype.is_complex:
             return
