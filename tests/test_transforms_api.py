@@ -1372,6 +1372,69 @@ def test_jvp_inside_a_custom_functions_forward(lib):
     torch.testing.assert_close(MinusDerivativeOfCos.apply(X), X.sin())
 
 
+SPARSE_X = torch.sparse_coo_tensor(torch.tensor([[0, 1, 1, 0], [2, 0, 2, 0]]),  # (0, 0)
+                                   torch.tensor([3.0, 4.0, 5.0, 0.0]), (2, 3)).coalesce()
+SPARSE_W = torch.randn(3, 4, generator=seeded(3))
+ON_SPARSE = {
+    "grad of sparse.mm": lambda lib: lib.grad(
+        lambda s: torch.sparse.mm(s, SPARSE_W).sum())(SPARSE_X),
+    "grad of sparse.sum": lambda lib: lib.grad(torch.sparse.sum)(SPARSE_X),
+    "grad of to_dense": lambda lib: lib.grad(lambda s: s.to_dense().sum())(SPARSE_X),
+    "grad of to_dense of a product": lambda lib: lib.grad(
+        lambda s: (s * 2).to_dense().exp().sum())(SPARSE_X),
+    "grad of grad": lambda lib: lib.grad(lambda s: lib.grad(
+        lambda s: (s * 2).to_dense().pow(3).sum())(s).to_dense().sum())(SPARSE_X),
+    "vjp of sparse.mm": lambda lib: lib.vjp(
+        lambda s: torch.sparse.mm(s, SPARSE_W), SPARSE_X)[1](torch.ones(2, 4))[0],
+    "grad of the weight": lambda lib: lib.grad(
+        lambda w: torch.sparse.mm(SPARSE_X, w).sum())(SPARSE_W),
+}
+
+
+@pytest.mark.parametrize("case", list(ON_SPARSE))
+def test_sparse_inputs_keep_their_layout_inside_a_transform_as_in_torch_func(case):
+    """A level's tensor of a sparse COO tensor has its layout, and the gradient is sparse,
+    as torch.func's. It said strided: sparse ops refused it, and the gradient of
+    ``to_dense`` came back dense, nonzero where the input stores nothing."""
+    ours, theirs = ON_SPARSE[case](tl), ON_SPARSE[case](tf)
+    for a, b in zip(tree_flatten(ours)[0], tree_flatten(theirs)[0], strict=True):
+        assert a.layout == b.layout
+        torch.testing.assert_close(a.to_dense(), b.to_dense())
+
+
+def _autograd_jacobian(f, x: torch.Tensor) -> torch.Tensor:
+    """d f(x) / d x for a sparse ``x``, one torch.autograd.grad per output element."""
+    x = x.clone().requires_grad_()
+    out = f(x).flatten()
+    rows = [torch.autograd.grad(o, x, retain_graph=True, allow_unused=True)[0] for o in out]
+    rows = [torch.zeros(x.shape) if r is None else r.to_dense() for r in rows]
+    return torch.stack(rows).view(*f(x).shape, *x.shape)
+
+
+def test_jacrev_and_hessian_of_sparse_inputs_match_autograd_where_torch_func_raises():
+    """The Jacobian's rows are batched gradients of ``to_dense``, which autograd makes with
+    ``sparse_mask``: vmap keeps them dense. torch.func raises on both."""
+    g = lambda s: (s * 2).to_dense().sin()  # noqa: E731
+    f = lambda s: (s * 2).to_dense().pow(3).sum()  # noqa: E731
+    with pytest.raises(NotImplementedError):
+        tf.jacrev(g)(SPARSE_X)
+    torch.testing.assert_close(tl.jacrev(g)(SPARSE_X), _autograd_jacobian(g, SPARSE_X))
+
+    def grad_f(s):
+        return torch.autograd.grad(f(s), s, create_graph=True)[0].to_dense()
+
+    torch.testing.assert_close(tl.hessian(f)(SPARSE_X), _autograd_jacobian(grad_f, SPARSE_X))
+
+
+def test_per_example_gradients_through_a_sparse_constant_match_a_loop():
+    """torch.func raises (expand is unsupported for sparse tensors)."""
+    ws = torch.randn(4, 3, 2, generator=seeded(4))
+    loss = lambda w: torch.sparse.mm(SPARSE_X, w).pow(2).sum()  # noqa: E731
+    leaves = [w.clone().requires_grad_() for w in ws.unbind()]
+    loop = torch.stack([torch.autograd.grad(loss(w), w)[0] for w in leaves])
+    torch.testing.assert_close(tl.vmap(tl.grad(loss))(ws), loop)
+
+
 def test_torch_autograd_functional_inside_grad_raises_naming_what_to_call_instead():
     """torch.func raises too (its message names autograd.functional; ours the fix)."""
     f = lambda x: torch.autograd.functional.jacobian(torch.sin, x).sum()  # noqa: E731

@@ -464,6 +464,8 @@ def new_wrapper(cls: type[LevelTensor], t: torch.Tensor, bdim: int | None = None
         if t.is_cpu and t.dtype is _default_dtype():
             return _make_wrapper_subclass(cls, size)
         return _make_wrapper_subclass(cls, size, dtype=t.dtype, device=t.device)
+    if bdim is None and t.layout is not torch.strided:  # sparse (never contiguous): no strides
+        return _make_wrapper_subclass(cls, shape, dtype=t.dtype, device=t.device, layout=t.layout)
     strides = t.stride()
     if bdim is not None:
         shape, strides = shape[:bdim] + shape[bdim + 1:], strides[:bdim] + strides[bdim + 1:]

@@ -385,6 +385,25 @@ def masked_fill(func, args, dims, kwargs):
     return torch.where(mask, value, x), 0
 
 
+@register(aten.sparse_mask.default)
+def sparse_mask(func, args, dims, kwargs):
+    """A batched dense ``self`` where an unbatched sparse COO ``mask`` stores an element,
+    else 0: each example's ``self.sparse_mask(mask)``, kept dense, which is the same
+    value (a batch of sparse tensors has no strides for a level to view). Autograd
+    calls it for the gradient of ``to_dense``; under ``jacrev`` that gradient is batched."""
+    self, mask = args
+    if dims[1] is not None or mask.layout is not torch.sparse_coo or (
+            self.layout is not torch.strided):
+        return loop_rule(func, args, dims, kwargs)
+    x = to_front(self, dims[0])
+    indices = mask._indices()  # (no in-place write: they may be an outer level's tensor)
+    stored = torch.sparse_coo_tensor(
+        indices, torch.ones(indices.shape[1], dtype=torch.bool, device=x.device),
+        mask.shape[:mask.sparse_dim()]).to_dense()
+    stored = stored.view(stored.shape + (1,) * mask.dense_dim())
+    return torch.where(stored, x, torch.zeros((), dtype=x.dtype, device=x.device)), 0
+
+
 def _check_convertible(values: torch.Tensor, dtype: torch.dtype) -> None:
     """Raise torch's error if a fill value among ``values`` overflows ``dtype``, as each
     example's fill would (its value read as a number): the values that overflow form no
