@@ -212,6 +212,18 @@ def test_dims_take_names_from_assigned_variables(dimlib):
     assert zeta.size == 2 and not eta.is_bound
 
 
+def test_dims_assigned_to_an_attribute_are_named_as_in_functorch_dim(dimlib):
+    import functorch.dim
+
+    def program(D):
+        holder = type("Holder", (), {})()
+        first, holder.second, third = D.dims(3)
+        lists, holder.more = D.dimlists()
+        return [repr(d) for d in (first, holder.second, third, lists, holder.more)]
+
+    assert program(dimlib) == program(functorch.dim)
+
+
 @pytest.mark.parametrize("n", [-1, 1.5, True])
 def test_dims_of_a_bad_count_raise(dimlib, n):
     with pytest.raises(ValueError, match="n must be an int >= 0"):
@@ -361,3 +373,37 @@ def test_dimlist_size_is_its_length_once_bound(dimlib):
         batch.size()
     torch.rand(2, 3)[batch]
     assert batch.size() == reference.size() == len(batch)
+
+
+# --------------------------------------------------------------------------------------
+# DimList(len_or_dims, name)
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("args, kwargs, index", [
+    ((), {}, (0, "dl")),
+    ((), {"name": "rows"}, ("dl", 0)),
+    ((2,), {}, ("dl", slice(None))),
+    ((2,), {"name": "rows"}, (0, "dl")),
+    (([3, 4],), {}, ("dl",)),
+    (([3, 4],), {"name": "rows"}, ("dl", 0)),
+], ids=["unbound", "unbound_named", "length", "length_named", "sizes", "sizes_named"])
+def test_dimlist_constructor_is_functorch_dims(dimlib, args, kwargs, index):
+    import functorch.dim
+
+    def program(D):
+        dl = D.DimList(*args, **kwargs)
+        before = (dl.is_bound, repr(dl))
+        x = torch.arange(60.).reshape(3, 4, 5)[tuple(dl if e == "dl" else e for e in index)]
+        return before, repr(dl), [d.size for d in dl], x.ndim, x.order(*dl)
+
+    ours, theirs = program(dimlib), program(functorch.dim)
+    assert ours[:4] == theirs[:4]
+    assert torch.equal(ours[4], theirs[4])
+
+
+def test_dimlist_of_a_name_only_says_to_pass_the_name_by_keyword(dimlib):
+    with pytest.raises(TypeError, match=r"DimList\(name='rows'\)"):
+        dimlib.DimList("rows")
+    with pytest.raises(TypeError, match="a Dim or a size"):
+        dimlib.DimList([2.5])

@@ -250,6 +250,25 @@ def test_split_errors():
         x[i, j].split(3, dim=j)
 
 
+@pytest.mark.parametrize("case", ["unbound_none", "bound_exceed"])
+def test_split_sections_that_do_not_add_up_raise_what_functorch_dim_raises(case):
+    """functorch.dim raises TypeError; ours is that and a DimensionBindError."""
+    import functorch.dim as functorch_dim
+
+    def program(D):
+        a, b, c = D.dims(3)
+        a.size, b.size = (3, 4) if case == "unbound_none" else (8, 6)
+        if case == "unbound_none":
+            c.size = 6
+        D.split(torch.rand(2, 12), [a, b, c], dim=1)
+
+    with pytest.raises(Exception) as theirs:
+        program(functorch_dim)
+    with pytest.raises(theirs.type, match="add up to (13|14)") as ours:
+        program(torchlevels.dim)
+    assert isinstance(ours.value, DimensionBindError)
+
+
 def test_from_positional_matches_functorch_dim():
     fdim = pytest.importorskip("functorch.dim")
     from functorch.dim._dim_entry import DimEntry

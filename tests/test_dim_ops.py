@@ -408,3 +408,17 @@ def test_nonzero_and_masked_select_over_two_dims_follow_the_loop():
     assert torch.equal(x.masked_select(x > 100).order(i, j), loop)
     loop = torch.stack([torch.stack([a.masked_select(a > 0) for a in row]) for row in A])
     assert torch.equal(x.masked_select(x > 0).order(i, j), loop)
+
+
+# -- the Tensor class ----------------------------------------------------------------------
+def test_the_tensor_class_has_torch_tensors_attributes_as_functorch_dims_has(A):
+    public = [n for n in dir(torch.Tensor) if not n.startswith("_")]
+    assert [n for n in public if not hasattr(tdim.Tensor, n)] == [
+        n for n in public if not hasattr(fdim.Tensor, n)]
+    ours = {n for n in public if getattr(tdim.Tensor, n).__doc__ ==
+            getattr(torch.Tensor, n).__doc__}
+    assert {n for n in public if getattr(fdim.Tensor, n).__doc__ ==
+            getattr(torch.Tensor, n).__doc__} - ours <= {"size", "numel"}  # our own methods
+    i, fi = tdim.dims(1), fdim.dims(1)
+    assert torch.equal(tdim.Tensor.clamp(A[i], 0.5).order(i),
+                       fdim.Tensor.clamp(A[fi], 0.5).order(fi))

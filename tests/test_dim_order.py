@@ -108,6 +108,11 @@ def _stack(D):
     return D.stack([M[i, j], B[j, 0] + M[i, j]], n)
 
 
+def _stack_before_a_dim(D):
+    i, j, n = D.dims(3)
+    return D.stack([M[i, j], B[j, 0] + M[i, j]], n, j)
+
+
 def _torch_stack(D):
     i, n = D.dims(2)
     return torch.stack([A[i], A[i]], n)
@@ -169,12 +174,23 @@ def _index_pack(D):
     return A[i, j, k].index([k, i], n)
 
 
+def _index_method_of_a_plain_tensor(D):
+    i, k = D.dims(2)
+    return A.index((0, 2), (i, k))
+
+
+def _split_a_plain_tensor(D):
+    x, y, b, z = D.dims(4)
+    b.size = 3
+    return [*B[0].split([x, y], dim=0), *B[:, 1].split([b, z], dim=0)]
+
 
 PROGRAMS.update({f.__name__.lstrip("_"): f for f in (
     _searchsorted_in_sequences_with_dims, _bucketize_dims_made_before_and_after, _products,
-    _product_kept_shared, _inplace, _stack, _torch_stack, _cat_dim, _cat_positional,
-    _lookup_feature_first, _index_after_own_dim, _dim_expression, _dim_twice,
-    _own_dim_again, _two_index_tensors_apart, _index_method, _index_function, _index_pack,
+    _product_kept_shared, _inplace, _stack, _stack_before_a_dim, _torch_stack, _cat_dim,
+    _cat_positional, _lookup_feature_first, _index_after_own_dim, _dim_expression,
+    _dim_twice, _own_dim_again, _two_index_tensors_apart, _index_method, _index_function,
+    _index_pack, _index_method_of_a_plain_tensor, _split_a_plain_tensor,
 )})
 
 

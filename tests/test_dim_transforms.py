@@ -126,5 +126,11 @@ def test_docstring_examples_run(name):
     import importlib
 
     module = importlib.import_module(f"torchlevels.dim{name}")
-    result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
+    runner = doctest.DocTestRunner(optionflags=doctest.NORMALIZE_WHITESPACE)
+    for test in doctest.DocTestFinder().find(module):
+        # the Tensor class has torch.Tensor's methods with their docs: their examples are torch's
+        torch_attribute = getattr(torch.Tensor, test.name.rpartition(".")[2], None)
+        if test.docstring != getattr(torch_attribute, "__doc__", None):
+            runner.run(test)
+    result = runner.summarize(verbose=False)
     assert result.failed == 0 and result.attempted > 0

@@ -3,11 +3,13 @@
 Such a tensor is ``_tensor``, a plain torch.Tensor (or a tensor of a transform level)
 whose leading dims are the first-class ``_dims``, in order, followed by the positional
 dims. Every torch function and Tensor method reaches ``_ops.torch_function`` through
-``__torch_function__``, the operators defined here, or ``__getattr__``.
+``__torch_function__`` or the attributes copied here from torch.Tensor (its operators and
+public methods and properties, as functorch.dim's Tensor has them: ``Tensor.clamp``).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -129,32 +131,31 @@ class _Tensor:
     def __repr__(self) -> str:
         return _ops.describe(self)
 
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("_"):
-            raise AttributeError(name)
-        if name in _METADATA:
-            return getattr(self._tensor, name)
-        attr = getattr(torch.Tensor, name)  # AttributeError names the attribute
-        if callable(attr):
-            return lambda *args, **kwargs: _ops.torch_function(attr, (self, *args), kwargs)
-        # a property that computes (x.T, x.real, ...): an op like any other
-        return _ops.torch_function(attr.__get__, (self,), {})
-
     __hash__ = object.__hash__
 
 
-def _operator(name: str):
-    func = getattr(torch.Tensor, name)
+def _attribute(name: str, attr: Any) -> Any:
+    """torch.Tensor's attribute ``name`` (``attr``) for a tensor with dims: metadata read
+    from the tensor behind it, anything else an op on it."""
+    if callable(attr):
+        if name in _METADATA:
+            def method(self, *args, **kwargs):
+                return getattr(self._tensor, name)(*args, **kwargs)
+        else:
+            def method(self, *args, **kwargs):
+                return _ops.torch_function(attr, (self, *args), kwargs)
+        return functools.update_wrapper(method, attr, assigned=("__name__", "__doc__"),
+                                        updated=())
+    if name in _METADATA:
+        return property(lambda self: getattr(self._tensor, name), doc=attr.__doc__)
+    # a property that computes (x.T, x.real, ...): an op like any other
+    return property(lambda self: _ops.torch_function(attr.__get__, (self,), {}),
+                    doc=attr.__doc__)
 
-    def method(self, *args):
-        return _ops.torch_function(func, (self, *args), {})
 
-    method.__name__ = name
-    return method
-
-
-for _name in _OPERATORS:
-    setattr(_Tensor, _name, _operator(_name))
+for _name in (*_OPERATORS, *(n for n in dir(torch.Tensor) if not n.startswith("_"))):
+    if _name not in _Tensor.__dict__:
+        setattr(_Tensor, _name, _attribute(_name, getattr(torch.Tensor, _name)))
 
 # The ops need _Tensor, so they are imported after it (torchlevels.dim imports this first).
 from torchlevels.dim import _ops  # noqa: E402

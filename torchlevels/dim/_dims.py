@@ -129,9 +129,32 @@ class DimList:
         (2, torch.Size([2, 3]))
     """
 
-    def __init__(self, name: str, dims: Sequence[Dim] | None = None) -> None:
+    def __init__(
+        self, len_or_dims: int | Sequence[Dim | int] | None = None, name: str | None = None
+    ) -> None:
+        """functorch.dim's signature: ``len_or_dims`` is the list's length (new dims), or
+        its dims (a Dim is taken as it is, an int makes a new dim of that size), or None
+        to bind the length later; ``name`` names the list and the dims it makes."""
         self._name = name
-        self._dims: list[Dim] | None = None if dims is None else list(dims)
+        self._dims: list[Dim] | None = None
+        if isinstance(len_or_dims, int):
+            self.bind_len(len_or_dims)
+        elif isinstance(len_or_dims, Sequence) and not isinstance(len_or_dims, str):
+            self._dims = [self._new_dim(k, item) for k, item in enumerate(len_or_dims)]
+        elif len_or_dims is not None:
+            raise TypeError(
+                f"DimList({len_or_dims!r}): the first argument is the list's length or a "
+                "sequence of its dims (Dims or sizes); name the list with "
+                f"DimList(name={len_or_dims!r})"
+            )
+
+    def _new_dim(self, k: int, item: Dim | int) -> Dim:
+        if isinstance(item, Dim):
+            return item
+        if not isinstance(item, int):
+            raise TypeError(f"DimList: a dim of the list is a Dim or a size (an int), got "
+                            f"{item!r}")
+        return Dim(f"{self._name or 'dim'}{k}", item)
 
     @property
     def is_bound(self) -> bool:
@@ -139,11 +162,13 @@ class DimList:
 
     def bind_len(self, n: int) -> None:
         """Give the list ``n`` fresh dims (or check it has ``n`` if already bound)."""
+        if n < 0:
+            raise DimensionBindError(f"DimList {self!r}: cannot bind it to length {n}")
         if self._dims is None:
-            self._dims = [Dim(f"{self._name}{k}") for k in range(n)]
+            self._dims = [Dim(f"{self._name or 'dim'}{k}") for k in range(n)]
         elif len(self._dims) != n:
             raise DimensionBindError(
-                f"DimList '{self._name}' has {len(self._dims)} dims, cannot bind it to {n}"
+                f"DimList {self!r} has {len(self._dims)} dims, cannot bind it to {n}"
             )
 
     def bind(self, sizes: Sequence[int]) -> None:
@@ -155,8 +180,8 @@ class DimList:
     def _bound(self) -> list[Dim]:
         if self._dims is None:
             raise DimensionBindError(
-                f"DimList '{self._name}' is unbound: bind it by indexing a tensor with it "
-                f"or call {self._name}.bind_len(n)"
+                f"DimList {self!r} is unbound: bind it by indexing a tensor with it or "
+                "call its .bind_len(n)"
             )
         return self._dims
 
@@ -175,7 +200,9 @@ class DimList:
         return iter(self._bound())
 
     def __repr__(self) -> str:
-        return f"*{self._name}" if self._dims is None else repr(tuple(self._dims))
+        if self._dims is not None:
+            return repr(tuple(self._dims))
+        return "<unbound_dimlist>" if self._name is None else f"*{self._name}"
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -185,21 +212,23 @@ class DimList:
 
 
 @functools.lru_cache(maxsize=1024)
-def _assigned_names(code, lasti: int) -> tuple[str, ...]:
-    """The variable names the call at ``lasti`` in ``code`` is assigned to (debug names)."""
+def _assignment(code, lasti: int) -> tuple[int, tuple[str, ...]]:
+    """How many targets the call at ``lasti`` in ``code`` is assigned to (0 if it is not
+    assigned), and the names of its leading targets that are plain variables: functorch.dim
+    names no dim from the first other target (an attribute, an item) on."""
     instructions = list(dis.get_instructions(code))
     # the running CALL: the last instruction at or before f_lasti (which may be in its cache)
     at = max((k for k, ins in enumerate(instructions) if ins.offset <= lasti), default=None)
     if at is None:
-        return ()
+        return 0, ()
     following = instructions[at + 1:]
     if not following:
-        return ()
+        return 0, ()
     first = following[0]
     if first.opname.startswith("STORE_") and first.opname != "STORE_FAST_STORE_FAST":
-        return (str(first.argval),)
+        return 1, (str(first.argval),)
     if first.opname != "UNPACK_SEQUENCE":
-        return ()
+        return 0, ()
     names: list[str] = []
     for ins in following[1:]:
         if len(names) >= first.argval:
@@ -208,15 +237,22 @@ def _assigned_names(code, lasti: int) -> tuple[str, ...]:
             names.extend(ins.argval)
         elif ins.opname.startswith("STORE_"):
             names.append(str(ins.argval))
-        else:
+        else:  # a target made of several instructions (y.x, y[0]) is not a plain variable
             break
-    return tuple(names) if len(names) == first.argval else ()
+    return first.argval, tuple(names[:first.argval])
+
+
+def _assigned_names(code, lasti: int) -> tuple[str, ...]:
+    """The variable names the call at ``lasti`` in ``code`` is assigned to (debug names),
+    or () unless every target is a plain variable."""
+    count, names = _assignment(code, lasti)
+    return names if len(names) == count else ()
 
 
 def _make(kind: str, n: int | None, sizes: Sequence | None, factory) -> object:
     frame = inspect.currentframe().f_back.f_back
     try:
-        names = _assigned_names(frame.f_code, frame.f_lasti)
+        targets, names = _assignment(frame.f_code, frame.f_lasti)
     finally:
         del frame
     if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 0):
@@ -224,14 +260,15 @@ def _make(kind: str, n: int | None, sizes: Sequence | None, factory) -> object:
                          "names assigned)")
     if sizes is not None and n is not None and len(sizes) != n:
         raise ValueError(f"{kind}(n={n}, sizes={list(sizes)}): n and len(sizes) differ")
-    count = n if n is not None else (len(sizes) if sizes is not None else len(names))
+    count = n if n is not None else (len(sizes) if sizes is not None else targets)
     if count == 0 and n is None and sizes is None:
         raise SyntaxError(
             f"{kind}() must be assigned to a sequence of variable names or have argument n "
             "specified"
         )
-    if len(names) != count:
-        names = [f"d{k}" for k in range(count)]
+    # named after the targets as functorch.dim names them, d<k> where it has no name
+    named = names if targets == count else ()
+    names = [*named, *(f"d{k}" for k in range(len(named), count))]
     made = [factory(name, None if sizes is None else sizes[k]) for k, name in enumerate(names)]
     return made[0] if count == 1 else tuple(made)
 
@@ -268,7 +305,7 @@ def dimlists(
     """
 
     def factory(name: str, size) -> DimList:
-        dl = DimList(name)
+        dl = DimList(name=name)
         if isinstance(size, int):
             dl.bind_len(size)
         elif size is not None:

@@ -3,13 +3,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from torchlevels.dim._base import _Tensor
-from torchlevels.dim._dims import Dim, DimensionBindError
+from torchlevels.dim._dims import Dim, DimensionBindError, DimList
 from torchlevels.dim._getitem import getitem
 from torchlevels.dim._ops import Tensor, batched, find, order, reorder, storage, union, wrap
 from torchlevels.dim._ops import index as _index
@@ -32,8 +33,9 @@ def softmax(input: Any, dim: Any, *args: Any, **kwargs: Any) -> Any:
     return reorder(out, input._dims) if isinstance(input, Tensor) else out
 
 
-def stack(tensors: Sequence[Any], new_dim: Dim, dim: int = 0) -> Any:
-    """Stack ``tensors`` along positional ``dim`` and bind that dim to ``new_dim``.
+def stack(tensors: Sequence[Any], new_dim: Dim, dim: int | Dim = 0) -> Any:
+    """Stack ``tensors`` along a new dim bound to ``new_dim``: at positional ``dim``, or,
+    when ``dim`` is a first-class dim of the tensors, just before it.
 
     Example::
 
@@ -43,14 +45,23 @@ def stack(tensors: Sequence[Any], new_dim: Dim, dim: int = 0) -> Any:
         >>> a, b = torch.rand(3), torch.rand(3)
         >>> torch.equal(stack([a[i], b[i]], s).order(s, i), torch.stack([a, b]))
         True
+        >>> t = dims(1)
+        >>> stack([a[i], b[i]], t, i).dims
+        (t, i)
     """
     tensors = list(tensors)
+    # functorch.dim's order: the union of the tensors' dims, with the new dim before the
+    # first-class ``dim``, first when it stacks at positional dim 0 (else after them: it
+    # goes where positional ``dim`` is, and the positional dims follow the first-class ones)
+    dims = union(tensors)[0]
+    if isinstance(dim, Dim):
+        at = find(dims, dim)
+        if at < 0:
+            raise TypeError(f"stack: dim {dim!r} is not a dim of the tensors (their dims: "
+                            f"{dims})")
+        return reorder(stack(tensors, new_dim), (*dims[:at], new_dim, *dims[at:]))
     t = torch.stack(tensors, dim)
     out = getitem(t, (*[slice(None)] * (dim % t.ndim), new_dim))
-    # functorch.dim's order: the union of the tensors' dims, with the new dim first when it
-    # stacks at dim 0 (else after them: it goes where positional ``dim`` is, and the
-    # positional dims follow the first-class ones here)
-    dims = union(tensors)[0]
     return reorder(out, (new_dim, *dims) if dim == 0 else (*dims, new_dim))
 
 
@@ -134,16 +145,21 @@ def split(tensor: Any, split_size_or_sections: Any, dim: Any = None) -> tuple:
     return tuple(pieces)
 
 
+class SectionsError(DimensionBindError, TypeError):
+    """split's section dims do not add up to the split dim's size: functorch.dim raises a
+    TypeError there, so this is one too."""
+
+
 def _section_sizes(sections: Sequence[Dim], total: int) -> list[int]:
     """The size of each section dim, binding the unbound ones to share the rest."""
     taken = sum(d.size for d in sections if d.is_bound)
     unbound = [d for d in sections if not d.is_bound]
     if not unbound and taken != total:
-        raise DimensionBindError(f"split: the section dims {list(sections)} add up to {taken}, "
-                                 f"not the split dim's size {total}")
+        raise SectionsError(f"split: the section dims {list(sections)} add up to {taken}, "
+                            f"not the split dim's size {total}")
     if taken > total:
-        raise DimensionBindError(f"split: the bound section dims add up to {taken}, more than "
-                                 f"the split dim's size {total}")
+        raise SectionsError(f"split: the bound section dims add up to {taken}, more than "
+                            f"the split dim's size {total}")
     left = total - taken
     share = -(-left // len(unbound)) if unbound else 0
     for d in unbound:
@@ -167,3 +183,28 @@ def index(self: Any, positions: Any, dims: Any) -> Any:
         True
     """
     return _index(self if isinstance(self, _Tensor) else Tensor(self, ()), positions, dims)
+
+
+def _index_method(original: Callable) -> Callable:
+    """``torch.Tensor.index`` that sends calls with this library's dims (or on its tensors)
+    to :func:`index`, and every other call to ``original``."""
+
+    @functools.wraps(original)
+    def index_method(self: Any, positions: Any, dims: Any) -> Any:
+        if _has_dims((self, positions, dims)):
+            return index(self, positions, dims)
+        return original(self, positions, dims)
+
+    return index_method
+
+
+def _has_dims(x: Any) -> bool:
+    """Whether ``x`` (nested tuples and lists) holds this library's dims or tensors."""
+    if isinstance(x, (tuple, list)):
+        return any(_has_dims(e) for e in x)
+    return isinstance(x, (_Tensor, DimList))
+
+
+# torch.Tensor.index on a plain tensor always calls functorch.dim's index (torch/_tensor.py),
+# which cannot read this library's dims
+torch.Tensor.index = _index_method(torch.Tensor.index)

@@ -326,6 +326,9 @@ def _special() -> dict:
         torch.stack: _functions.stack_positional,
         torch.Tensor.split: _functions.split,
         torch.split: _functions.split,
+        # what Tensor.split calls for a plain tensor: here when a section or dim is a Dim
+        torch._VF.split: _functions.split,
+        torch._VF.split_with_sizes: _functions.split,
         # functorch.dim raises RuntimeError for these too
         torch.Tensor.item: _no_python_value("item()"),
         torch.Tensor.tolist: _no_python_value("tolist()"),
