@@ -547,6 +547,42 @@ def test_autograd_flows_through_vmap_to_parameters():
     assert_close(ours, (lin.weight.grad, x.grad))
 
 
+
+_I0, _I1 = torch.randint(0, 5, (10, 1)), torch.randint(0, 5, (1, 10))
+# ops vmap batches through their decomposition, where only an argument that autograd does
+# not track is batched: the pieces that read the tracked one alone reach no level
+DECOMPOSED_WITH_A_TRACKED_UNBATCHED_INPUT = {
+    "_unsafe_masked_index, the mask batched": (
+        lambda x, m: torch.ops.aten._unsafe_masked_index(x, m, [_I0, _I1], -1.0),
+        lambda: (torch.randn(5, 5), torch.rand(3, 10, 10) > 0.3), (None, 0), [0]),
+    "max_unpool3d, the indices batched": (
+        lambda a, i: F.max_unpool3d(a, i, 3, 2, 0, (1, 2, 3, 6, 5)),
+        lambda: (torch.randn(1, 2, 1, 3, 2), torch.stack(
+            [torch.randperm(90)[:12].view(1, 2, 1, 3, 2) for _ in range(3)])), (None, 0), [0]),
+    "_unsafe_masked_index_put_accumulate, the values unbatched": (
+        lambda a, v: torch.ops.aten._unsafe_masked_index_put_accumulate(
+            a, torch.ones(10, 10, dtype=torch.bool), [_I0, _I1], v),
+        lambda: (torch.randn(3, 5, 5), torch.randn(10, 10)), (0, None), [0, 1]),
+}
+
+
+@pytest.mark.parametrize("case", list(DECOMPOSED_WITH_A_TRACKED_UNBATCHED_INPUT))
+def test_autograd_outside_reaches_an_unbatched_input_of_a_decomposed_op(case):
+    """The output lost its graph to the unbatched input (no gradient, or None), where
+    torch.func and a loop give one."""
+    f, make, in_dims, tracked = DECOMPOSED_WITH_A_TRACKED_UNBATCHED_INPUT[case]
+    torch.manual_seed(0)
+    args = [a.requires_grad_() if k in tracked else a for k, a in enumerate(make())]
+    inputs = [args[k] for k in tracked]
+    loop = torch.stack([f(*(a if d is None else a[b] for a, d in zip(args, in_dims)))
+                        for b in range(3)])
+    cotangent = torch.randn_like(loop)
+    expected = torch.autograd.grad(loop, inputs, cotangent)
+    for lib_vmap in (vmap, func_vmap):
+        out = lib_vmap(f, in_dims=in_dims)(*args)
+        assert_close(out, loop)
+        assert_close(torch.autograd.grad(out, inputs, cotangent), expected)
+
 def _write_then(b, view, value):
     """``b`` after ``view(b).copy_(value)``."""
     view(b).copy_(value)

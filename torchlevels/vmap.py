@@ -149,6 +149,11 @@ class BatchLevel(Level):
                 return out
         if rule.how is How.DECOMPOSITION:
             refuse_dtypes_the_kernel_refuses(func, args, (None,) * len(args), kwargs or {})
+            if torch.is_grad_enabled() and unwrap_args(cls, args)[2]:
+                # pieces on a tracked plain tensor alone reach no level: autograd records
+                # them here, or the result would lose the graph to it (x[i] in a where)
+                with autograd_on():
+                    return rule.fn(*args, **kwargs)
             return rule.fn(*args, **kwargs)
         phys, dims, grad = unwrap_args(cls, args)
         if rule.inplace and phys and isinstance(phys[0], torch.Tensor) and (
