@@ -138,7 +138,7 @@ def _one_level_out(fn: type[Function], kwargs: dict,
     def forward_unaliased(ctx, *inner):
         # fn's setup_context runs in forward (ctx style), before the outputs are copied:
         # an input it marks dirty is returned as itself
-        out = redispatch(*inner)
+        out = _with_tangents_hidden(redispatch, inner)
         setup_context(ctx, inner, out)
         return _unaliased(out, inner, ctx.dirty_tensors or ())
 
@@ -155,6 +155,23 @@ def _one_level_out(fn: type[Function], kwargs: dict,
         rules.update(forward=redispatch, setup_context=setup_context)
     return type(f"{fn.__name__}OneLevel", (_SingleLevelFunction,),
                 {name: staticmethod(f) for name, f in rules.items()})
+
+
+def _with_tangents_hidden(redispatch, duals: tuple) -> Any:
+    """``redispatch(*duals)``, with the plain tensors among ``duals`` passed as their
+    primals: their tangents are the jvp level's own, which levels further out must not
+    see (a vmap level's generated rule would run ``jvp`` for them too, then PyTorch's
+    apply here would set the outputs' tangents a second time). Outputs that are those
+    primals are the duals again, so an input returned as itself stays itself."""
+    primals = tuple(fwAD.unpack_dual(t).primal if type(t) is torch.Tensor else t
+                    for t in duals)
+    out = redispatch(*primals)
+    back = {id(p): d for p, d in zip(primals, duals) if p is not d}
+
+    def one(o):
+        return back.get(id(o), o) if isinstance(o, torch.Tensor) else o
+
+    return tuple(one(o) for o in out) if isinstance(out, tuple) else one(out)
 
 
 def _unaliased(out: Any, inputs: tuple, dirty: tuple) -> Any:
@@ -313,11 +330,14 @@ def _batched(B, t: Any, dim: Any) -> Any:
 
 class _BatchedCtx:
     """``ctx`` as ``fn``'s rules see it under vmap: saved tensors are unwrapped on saving
-    (their batch dims kept on ``ctx``) and come back batched (``saved``)."""
+    (their batch dims kept in ``state``, the vmapped Function's own: under nested vmap
+    each level's ctx wraps the next one's, and they share the attributes of the one
+    PyTorch made) and come back batched (``saved``)."""
 
-    def __init__(self, ctx, B=None, saved: tuple = ()) -> None:
+    def __init__(self, ctx, B=None, saved: tuple = (), state: dict | None = None) -> None:
         object.__setattr__(self, "_tl_ctx", ctx)
         object.__setattr__(self, "_tl_level", B)
+        object.__setattr__(self, "_tl_state", state)
         object.__setattr__(self, "saved_tensors", saved)
 
     def _unwrap(self, tensors: tuple) -> tuple[tuple, tuple]:
@@ -326,11 +346,11 @@ class _BatchedCtx:
                 tuple(t._bdim if type(t) is B else None for t in tensors))
 
     def save_for_backward(self, *tensors) -> None:
-        phys, self._tl_ctx._tl_backward_dims = self._unwrap(tensors)
+        phys, self._tl_state["backward_dims"] = self._unwrap(tensors)
         self._tl_ctx.save_for_backward(*phys)
 
     def save_for_forward(self, *tensors) -> None:
-        phys, self._tl_ctx._tl_forward_dims = self._unwrap(tensors)
+        phys, self._tl_state["forward_dims"] = self._unwrap(tensors)
         self._tl_ctx.save_for_forward(*phys)
 
     def __getattr__(self, name: str) -> Any:
@@ -359,18 +379,18 @@ def _vmapped_function(fn, in_dims: tuple, level: BatchLevel, kwargs: dict):
     def setup_context(ctx, inputs, output):
         outs = output if isinstance(output, tuple) else (output,)
         n = len(inputs)
-        ctx._tl_shapes = [None] * n  # per-example input shapes, to reduce gradients to
+        state["shapes"] = [None] * n  # per-example input shapes, to reduce gradients to
 
         def run(B, *xs):
-            batched_ctx = _BatchedCtx(ctx, B)
-            ctx._tl_shapes = [x.shape if isinstance(x, torch.Tensor) else None for x in xs[:n]]
+            batched_ctx = _BatchedCtx(ctx, B, state=state)
+            state["shapes"] = [x.shape if isinstance(x, torch.Tensor) else None for x in xs[:n]]
             out = xs[n:] if isinstance(output, tuple) else xs[n]
             fn.setup_context(batched_ctx, xs[:n], out)
 
         _under_vmap(run, (*inputs, *outs), (*in_dims, *state["out_dims"]), level)
 
     def backward(ctx, *grads):
-        saved, saved_dims = ctx.saved_tensors, getattr(ctx, "_tl_backward_dims", ())
+        saved, saved_dims = ctx.saved_tensors, state.get("backward_dims", ())
         grad_dims = tuple(None if g is None else d for g, d in zip(grads, state["out_dims"]))
         k = len(saved)
 
@@ -380,10 +400,10 @@ def _vmapped_function(fn, in_dims: tuple, level: BatchLevel, kwargs: dict):
 
         grads_in, dims = _under_vmap(run, (*saved, *grads), (*saved_dims, *grad_dims), level)
         return tuple(_reduce_to(g, d, in_d, s, level.batch_size)
-                     for g, d, in_d, s in zip(grads_in, dims, in_dims, ctx._tl_shapes))
+                     for g, d, in_d, s in zip(grads_in, dims, in_dims, state["shapes"]))
 
     def jvp(ctx, *tangents):
-        saved, saved_dims = ctx.saved_tensors, getattr(ctx, "_tl_forward_dims", ())
+        saved, saved_dims = ctx.saved_tensors, state.get("forward_dims", ())
         tangent_dims = tuple(None if t is None else d for t, d in zip(tangents, in_dims))
         k = len(saved)
 
