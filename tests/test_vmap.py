@@ -583,6 +583,25 @@ def test_autograd_outside_reaches_an_unbatched_input_of_a_decomposed_op(case):
         assert_close(out, loop)
         assert_close(torch.autograd.grad(out, inputs, cotangent), expected)
 
+def test_autograd_outside_through_an_output_the_same_for_every_example():
+    """lstsq's empty residuals (driver gels) are one placeholder for all examples: returned
+    plain, autograd gave them the node it recorded on the level's tensors, and a backward
+    pass through them raised once vmap had exited."""
+    A = torch.randn(2, 3, 2, requires_grad=True)
+    b = torch.randn(2, 3, requires_grad=True)
+
+    def f(a, rhs):
+        return torch.linalg.lstsq(a, rhs, driver="gels")[:2]
+
+    loop = [torch.stack(o) for o in zip(*(f(A[..., k], b) for k in range(2)))]
+    cotangents = [torch.randn_like(o) for o in loop]
+    expected = torch.autograd.grad(loop, (A, b), cotangents)
+    for lib_vmap in (vmap, func_vmap):
+        out = lib_vmap(f, in_dims=(-1, None))(A, b)
+        assert_close(list(out), loop)
+        assert_close(torch.autograd.grad(out, (A, b), cotangents), expected)
+
+
 def _write_then(b, view, value):
     """``b`` after ``view(b).copy_(value)``."""
     view(b).copy_(value)

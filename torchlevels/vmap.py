@@ -250,7 +250,7 @@ def wrap_outputs(cls, func, inplace: bool, args, out, out_dims):
     for i, (o, d) in enumerate(zip(out, out_dims)):
         k = written[i] if i < len(written) else None
         if d is None:
-            wrapped.append(o)
+            wrapped.append(_unbatched_output(cls, o, args))
         elif k is not None and k < len(args) and type(args[k]) is cls:  # written: as is
             wrapped.append(args[k])
         elif isinstance(d, (tuple, list)):  # a list of tensors among the outputs
@@ -258,6 +258,21 @@ def wrap_outputs(cls, func, inplace: bool, args, out, out_dims):
         else:
             wrapped.append(wrap_batched(cls, o, d))
     return type(out)(wrapped)
+
+def _unbatched_output(cls, out: Any, args: tuple) -> Any:
+    """An output the same for every example (lstsq's empty residuals): as it is, or, where
+    autograd records the op around this level (an argument requires grad), as a batched
+    tensor of copies. Autograd would give a plain tensor the node it records on this
+    level's tensors, which a backward pass after the level exits cannot run."""
+    if not (isinstance(out, torch.Tensor) and torch.is_grad_enabled()) or any(
+            out is a for a in args) or not any(
+            isinstance(t, torch.Tensor) and t.requires_grad
+            for a in args for t in (a if type(a) in (list, tuple) else (a,))):
+        return out
+    with autograd_on():  # the copies keep the output's own graph
+        copies = out.unsqueeze(0).expand(cls._level.batch_size, *out.shape)
+    return wrap_batched(cls, copies, 0)
+
 
 def _pointwise_fast_path(cls, func, args, kwargs):
     """The common pointwise case in one pass: our tensors batched at dim 0, other tensors
