@@ -261,16 +261,18 @@ def wrap_outputs(cls, func, inplace: bool, args, out, out_dims):
 
 def _unbatched_output(cls, out: Any, args: tuple) -> Any:
     """An output the same for every example (lstsq's empty residuals): as it is, or, where
-    autograd records the op around this level (an argument requires grad), as a batched
-    tensor of copies. Autograd would give a plain tensor the node it records on this
-    level's tensors, which a backward pass after the level exits cannot run."""
-    if not (isinstance(out, torch.Tensor) and torch.is_grad_enabled()) or any(
+    autograd records the op around this level (an argument requires grad) and the output
+    is differentiable, as a batched tensor of copies. Autograd would give a plain tensor
+    the node it records on this level's tensors, which a backward pass after the level
+    exits cannot run."""
+    if not (isinstance(out, torch.Tensor) and torch.is_grad_enabled() and (
+            out.is_floating_point() or out.is_complex())) or any(
             out is a for a in args) or not any(
             isinstance(t, torch.Tensor) and t.requires_grad
             for a in args for t in (a if type(a) in (list, tuple) else (a,))):
         return out
-    with autograd_on():  # the copies keep the output's own graph
-        copies = out.unsqueeze(0).expand(cls._level.batch_size, *out.shape)
+    with autograd_on():  # the copies keep the output's own graph, and take writes
+        copies = out.unsqueeze(0).expand(cls._level.batch_size, *out.shape).contiguous()
     return wrap_batched(cls, copies, 0)
 
 
