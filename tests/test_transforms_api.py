@@ -1695,6 +1695,25 @@ def test_autograd_outside_jvp_of_softmax_like_ops_matches_torch_func(case):
     torch.testing.assert_close(grads[0], grads[1])
 
 
+@pytest.mark.parametrize("order", [-0.5, 0.5, 2, 3])
+@pytest.mark.parametrize("at", ["zero", "a point with a zero", "a point"])
+def test_second_derivatives_of_vector_norms_with_autograd_outside_match_torch_func(order, at):
+    """Every norm but the 1-norm keeps PyTorch's forward formula with autograd outside (it
+    differentiates again); run as its decomposition, a negative order gave NaN at 0."""
+    x0 = {"zero": torch.zeros(5), "a point with a zero": torch.tensor([0.0, 1.0, -2.0, 0.5, 3.0]),
+          "a point": torch.tensor([0.3, 1.0, -2.0, 0.5, 3.0])}[at].double()
+    tangent = torch.linspace(-1, 1, 5, dtype=torch.float64)
+    f = lambda x: torch.linalg.vector_norm(x, order)  # noqa: E731
+    xs = [x0.clone().requires_grad_() for _ in range(2)]
+    ours, theirs = (lib.jvp(lib.grad(f), (x,), (tangent,))[1] for lib, x in zip((tl, tf), xs))
+    torch.testing.assert_close(ours, theirs, equal_nan=True)
+    assert not ours.isnan().any() or theirs.isnan().any()
+    if at == "a point" and order < 1:  # autograd outside differentiates the tangent as
+        # torch.func's (orders 2 and 3: PyTorch's formulas refuse, under torch.func too)
+        torch.testing.assert_close(*(torch.autograd.grad(t.sum(), x)
+                                     for t, x in zip((ours, theirs), xs)))
+
+
 def test_autograd_grad_on_top_with_create_graph():
     f = lambda v: (v.sin() * v).sum()
     x, x_f = leaf(), leaf()

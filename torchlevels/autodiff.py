@@ -584,7 +584,9 @@ class JvpLevel(Level):
         if view is not None:
             return _jvp_inplace_view(cls, view, args, kwargs)
         if func in _DECOMPOSED_UNDER_AUTOGRAD and _tracked_by_autograd(cls, args):
-            return _DECOMPOSED_UNDER_AUTOGRAD[func](*args, **kwargs)
+            out = _DECOMPOSED_UNDER_AUTOGRAD[func](*args, **kwargs)
+            if out is not NotImplemented:
+                return out
         recomputed = _DIFFERENTIABLE_FORWARD.get(func)
         if recomputed is not None and _differentiated_outside(cls, args):
             out = recomputed(cls, *args, **kwargs)
@@ -1051,8 +1053,12 @@ _DECOMPOSED_UNDER_AUTOGRAD = {
        for op in (torch.ops.aten._softmax.default, torch.ops.aten._log_softmax.default,
                   torch.ops.aten._safe_softmax.default, torch.ops.aten.logsumexp.default,
                   torch.ops.aten._softmax_backward_data.default,
-                  torch.ops.aten._log_softmax_backward_data.default,
-                  torch.ops.aten.linalg_vector_norm.default)},
+                  torch.ops.aten._log_softmax_backward_data.default)},
+    torch.ops.aten.linalg_vector_norm.default: lambda x, ord=2, *rest, **kwargs: (
+        # only the 1-norm's formula cannot be differentiated again (the others' can, and
+        # stay finite where the decomposition's pow of a 0 is not: a negative ord)
+        torch._decomp.decomposition_table[torch.ops.aten.linalg_vector_norm.default](
+            x, ord, *rest, **kwargs) if ord == 1 else NotImplemented),
     # composite ops that reach a level whole (from a decomposition's Python code)
     **{op: op.decompose for op in (torch.ops.aten.softmax.int, torch.ops.aten.log_softmax.int)},
 }
