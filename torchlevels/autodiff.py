@@ -1047,7 +1047,10 @@ def _without_tangent(t: torch.Tensor, level: int, written: bool = False) -> torc
 
 # Ops whose forward-AD formula plain autograd cannot differentiate again (softmax's writes
 # a saved exp in place: PyTorch's own fwAD then backward raises). Where autograd outside
-# tracks an argument, they run as their decompositions, whose pieces it can.
+# tracks an argument, they run as their decompositions, whose pieces it can. Of the vector
+# norms only the 1-norm: the others' formulas differentiate again, and stay finite where
+# the decomposition's power of a 0 is not (a negative order).
+_VECTOR_NORM_PIECES = torch._decomp.decomposition_table[torch.ops.aten.linalg_vector_norm.default]
 _DECOMPOSED_UNDER_AUTOGRAD = {
     **{op: torch._decomp.decomposition_table[op]
        for op in (torch.ops.aten._softmax.default, torch.ops.aten._log_softmax.default,
@@ -1055,10 +1058,7 @@ _DECOMPOSED_UNDER_AUTOGRAD = {
                   torch.ops.aten._softmax_backward_data.default,
                   torch.ops.aten._log_softmax_backward_data.default)},
     torch.ops.aten.linalg_vector_norm.default: lambda x, ord=2, *rest, **kwargs: (
-        # only the 1-norm's formula cannot be differentiated again (the others' can, and
-        # stay finite where the decomposition's pow of a 0 is not: a negative ord)
-        torch._decomp.decomposition_table[torch.ops.aten.linalg_vector_norm.default](
-            x, ord, *rest, **kwargs) if ord == 1 else NotImplemented),
+        _VECTOR_NORM_PIECES(x, ord, *rest, **kwargs) if ord == 1 else NotImplemented),
     # composite ops that reach a level whole (from a decomposition's Python code)
     **{op: op.decompose for op in (torch.ops.aten.softmax.int, torch.ops.aten.log_softmax.int)},
 }

@@ -49,6 +49,7 @@ from torchlevels.batching.registry import (
     Resolved,
     loop_rule,
     no_examples,
+    out_arguments,
     resolve,
     resolved_by_id,
     written_arguments,
@@ -149,9 +150,10 @@ class BatchLevel(Level):
                 return out
         if rule.how is How.DECOMPOSITION:
             refuse_dtypes_the_kernel_refuses(func, args, (None,) * len(args), kwargs or {})
-            if torch.is_grad_enabled() and unwrap_args(cls, args)[2]:
+            if torch.is_grad_enabled() and unwrap_args(cls, args)[2] and not out_arguments(func):
                 # pieces on a tracked plain tensor alone reach no level: autograd records
-                # them here, or the result would lose the graph to it (x[i] in a where)
+                # them here, or the result would lose the graph to it (x[i] in a where);
+                # an out= op's own handling refuses tracked tensors as autograd does
                 with autograd_on():
                     return rule.fn(*args, **kwargs)
             return rule.fn(*args, **kwargs)
@@ -178,6 +180,8 @@ class BatchLevel(Level):
             # grad yet: a tracked value written through it later must reach the base.
             with autograd_on():
                 out, out_dims = self._apply(rule, func, phys, dims, kwargs)
+                if grad:
+                    out, out_dims = _shared_outputs_copied(cls, out, out_dims, phys, kwargs)
         else:
             with preserved_dispatch_keys():
                 lazy_bits_on()
@@ -250,7 +254,7 @@ def wrap_outputs(cls, func, inplace: bool, args, out, out_dims):
     for i, (o, d) in enumerate(zip(out, out_dims)):
         k = written[i] if i < len(written) else None
         if d is None:
-            wrapped.append(_unbatched_output(cls, o, args))
+            wrapped.append(o)
         elif k is not None and k < len(args) and type(args[k]) is cls:  # written: as is
             wrapped.append(args[k])
         elif isinstance(d, (tuple, list)):  # a list of tensors among the outputs
@@ -259,21 +263,28 @@ def wrap_outputs(cls, func, inplace: bool, args, out, out_dims):
             wrapped.append(wrap_batched(cls, o, d))
     return type(out)(wrapped)
 
-def _unbatched_output(cls, out: Any, args: tuple) -> Any:
-    """An output the same for every example (lstsq's empty residuals): as it is, or, where
-    autograd records the op around this level (an argument requires grad) and the output
-    is differentiable, as a batched tensor of copies. Autograd would give a plain tensor
-    the node it records on this level's tensors, which a backward pass after the level
-    exits cannot run."""
-    if not (isinstance(out, torch.Tensor) and torch.is_grad_enabled() and (
-            out.is_floating_point() or out.is_complex())) or any(
-            out is a for a in args) or not any(
-            isinstance(t, torch.Tensor) and t.requires_grad
-            for a in args for t in (a if type(a) in (list, tuple) else (a,))):
-        return out
-    with autograd_on():  # the copies keep the output's own graph, and take writes
-        copies = out.unsqueeze(0).expand(cls._level.batch_size, *out.shape).contiguous()
-    return wrap_batched(cls, copies, 0)
+
+def _shared_outputs_copied(cls, out: Any, out_dims: Any, args: tuple, kwargs: dict
+                           ) -> tuple[Any, Any]:
+    """A rule's outputs, with each differentiable one that is the same for every example
+    (lstsq's empty residuals) and not an argument as contiguous batched copies, for an
+    op that autograd records around this level: returned plain, an output would take the
+    node autograd records on this level's tensors, which a backward pass after the level
+    exits cannot run. Runs under ``autograd_on``, so the copies keep the output's graph."""
+    given = [*args, *kwargs.values()]
+
+    def copied(o: Any, d: Any) -> tuple[Any, Any]:
+        if d is not None or type(o) is not torch.Tensor or not (
+                o.is_floating_point() or o.is_complex()) or any(o is a for a in given):
+            return o, d
+        return o.unsqueeze(0).expand(cls._level.batch_size, *o.shape).contiguous(), 0
+
+    if isinstance(out, torch.Tensor):
+        return copied(out, out_dims)
+    if type(out_dims) is int or not isinstance(out, (tuple, list)) or None not in out_dims:
+        return out, out_dims
+    outs, dims = zip(*(copied(o, d) for o, d in zip(out, out_dims)))
+    return type(out)(outs), type(out_dims)(dims)
 
 
 def _pointwise_fast_path(cls, func, args, kwargs):
