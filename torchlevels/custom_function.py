@@ -50,6 +50,7 @@ from torchlevels.autodiff import (
     _wrap,
 )
 from torchlevels.batching.composite import _deepest_level
+from torchlevels.batching.dims import materialize
 from torchlevels.batching.registry import VmapInfo
 from torchlevels.tools.forwarding import ForwardingLevel
 from torchlevels.vmap import BatchLevel, batch_level, wrap_batched
@@ -431,8 +432,7 @@ def _move_to(t: Any, dim: int | None, target: int | None, size: int) -> Any:
     if target is None:
         return t.sum(dim)
     if dim is None:
-        t = t.unsqueeze(0).expand(size, *t.shape)
-        dim = 0
+        return materialize(t, None, size).movedim(0, target)
     return t.movedim(dim, target)
 
 

@@ -42,7 +42,7 @@ from torchlevels._level import (
 )
 from torchlevels._torch_compile import eager
 from torchlevels.batching import predispatch, shortcuts
-from torchlevels.batching.dims import pad_to_rank, refuse_dtypes_the_kernel_refuses
+from torchlevels.batching.dims import materialize, pad_to_rank, refuse_dtypes_the_kernel_refuses
 from torchlevels.batching.pointwise import broadcasting
 from torchlevels.batching.registry import (
     How,
@@ -277,7 +277,7 @@ def _shared_outputs_copied(cls, out: Any, out_dims: Any, args: tuple, kwargs: di
         if d is not None or type(o) is not torch.Tensor or not (
                 o.is_floating_point() or o.is_complex()) or any(o is a for a in given):
             return o, d
-        return o.unsqueeze(0).expand(cls._level.batch_size, *o.shape).contiguous(), 0
+        return materialize(o, None, cls._level.batch_size).contiguous(), 0
 
     if isinstance(out, torch.Tensor):
         return copied(out, out_dims)
