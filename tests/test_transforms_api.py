@@ -2223,6 +2223,14 @@ PYTHON_VALUES = {  # what f reads out of its input x (of shape (2,))
     "tolist of a 0-dim tensor": lambda x: x.sum().tolist(),
     "format spec": lambda x: f"{x.sum():.3f}",
     "format, no spec": lambda x: format(x.sum()),
+    # PyTorch reads each tensor element with the Python dispatch key off
+    "torch.tensor of 0-dim tensors": lambda x: torch.tensor([x.sum(), x[0]]).tolist(),
+    "torch.tensor, nested": lambda x: torch.tensor([[x[1], 1.0], [x[0], 2.0]]).tolist(),
+    "torch.as_tensor": lambda x: torch.as_tensor([x.sum()]).tolist(),
+    "torch.tensor, int": lambda x: torch.tensor([(x.sum() * 10).long()]).tolist(),
+    "torch.tensor, bool": lambda x: torch.tensor([x[0] > 0, x[1] > 0]).tolist(),
+    "torch.tensor, complex": lambda x: torch.tensor([x.sum().to(torch.complex128)]).tolist(),
+    "new_tensor": lambda x: x.new_tensor([x[1]]).tolist(),
 }
 AUTODIFF_CALLS = {
     "grad": lambda lib, g, x: lib.grad(g)(x),
@@ -2235,8 +2243,9 @@ AUTODIFF_CALLS = {
 @pytest.mark.parametrize("call", AUTODIFF_CALLS)
 @pytest.mark.parametrize("read", PYTHON_VALUES)
 def test_python_values_read_under_autodiff_are_torch_funcs(read, call):
-    """PyTorch refuses ``.tolist()`` on tensor subclasses, and formats a subclass's 0-dim
-    tensor as an object: the levels read each value as ``.item()`` does, as torch.func."""
+    """PyTorch refuses ``.tolist()`` on tensor subclasses, formats a subclass's 0-dim
+    tensor as an object, and reads ``torch.tensor([t])``'s element where a wrapper has no
+    data: the levels read each value as ``.item()`` does, as torch.func."""
     x = torch.tensor([1.25, -2.5], dtype=torch.float64)
     got = {}
 

@@ -292,6 +292,23 @@ class LevelTensor(torch.Tensor):
                                   f"{type(self)._level.describe()} has no storage of its "
                                   "own; Cannot access storage of a transform's tensor")
 
+    # ``torch.tensor([x])`` reads a tensor element ``x`` as a Python number with the Python
+    # dispatch key off, where a wrapper has no data: the level answers it here instead
+    def __float__(self) -> float:
+        return _read_number(torch.Tensor.__float__, self)
+
+    def __int__(self) -> int:
+        return _read_number(torch.Tensor.__int__, self)
+
+    def __index__(self) -> int:
+        return _read_number(torch.Tensor.__index__, self)
+
+    def __complex__(self) -> complex:
+        return _read_number(torch.Tensor.__complex__, self)
+
+    def __bool__(self) -> bool:
+        return _read_number(torch.Tensor.__bool__, self)
+
     def __format__(self, format_spec: str) -> str:
         """``f"{loss:.3f}"``: a 0-dim tensor formats its value, as a plain tensor does."""
         if self.dim() == 0 and not self.is_meta:
@@ -303,6 +320,19 @@ class LevelTensor(torch.Tensor):
         if not level.alive:
             return f"<tensor escaped from {level.describe()}>"
         return f"{type(self).__name__}(level={level.describe()}, inner={self._inner!r})"
+
+
+def _read_number(method: Any, tensor: LevelTensor) -> Any:
+    """``method(tensor)``, a read of a Python number, with the Python dispatch key back on
+    where PyTorch turned it off (``torch.tensor([x])``, ``torch.tensor([[x, y]])``): a
+    grad or jvp level gives the value, as torch.func does, and vmap raises its error for a
+    value that differs from example to example. Elsewhere it is ``method(tensor)``."""
+    if not _autograd_excluded(_PYTHON_KEYS[0]):
+        return method(tensor)
+    with preserved_dispatch_keys():
+        for key in _PYTHON_KEYS:
+            _set_excluded(key, False)
+        return method(tensor)
 
 
 class LiftedTensor(torch.Tensor):
