@@ -462,6 +462,46 @@ def test_forward_ad_of_a_captured_batched_argument_under_vmap(chain, in_dims):
     torch.testing.assert_close(run(tl), run(ft))
 
 
+def _pairwise_distance_backward(lib, a, b):
+    # norm's backward for p != 2 writes in place (found by PyTorch's test_ops vmapjvpvjp)
+    _, vjp_fn = lib.vjp(lambda a: torch.nn.functional.pairwise_distance(a, b, p=5.0), a)
+    return vjp_fn(torch.ones((), dtype=a.dtype))[0]
+
+
+UNBATCHED_PRIMAL_WRITES = {  # f(lib, a, b): a unbatched, b batched
+    "abs then pow_": lambda lib, a, b: (a - b).abs().pow_(3.0),
+    "matmul then pow_": lambda lib, a, b: (a[None] @ (b[:, None] * a[:, None])).abs().pow_(2),
+    "cat then exp_": lambda lib, a, b: torch.cat([a, b * a]).exp_(),
+    "vjp of pairwise_distance": _pairwise_distance_backward,
+}
+
+
+@pytest.mark.parametrize("f", UNBATCHED_PRIMAL_WRITES)
+def test_forward_ad_of_an_unbatched_primal_with_a_batched_tangent_that_autograd_tracks(f):
+    # vmap(jvp) over the tangent and another input, not the primal, which requires grad:
+    # the rules then run with autograd on, where the primal's tangent (a tensor of the
+    # vmap level) must not reach the physical tensors, or an in-place op's formula copies
+    # batched values into an unbatched tangent
+    b = torch.randn(2, 3, generator=seeded(61), dtype=DTYPE)
+    t = torch.randn(2, 3, generator=seeded(62), dtype=DTYPE)
+
+    def run(lib):
+        a = torch.randn(3, generator=seeded(63), dtype=DTYPE, requires_grad=True)
+        g = functools.partial(UNBATCHED_PRIMAL_WRITES[f], lib)
+        out = lib.vmap(lambda b, t: lib.jvp(lambda a: g(a, b), (a,), (t,)))(b, t)
+        try:  # (norm's backward is not differentiable again: autograd refuses, as it should)
+            return out, torch.autograd.grad(sum(o.sum() for o in out), a)
+        except RuntimeError as e:
+            return out, str(e)
+
+    ours, theirs = run(tl), run(ft)
+    torch.testing.assert_close(ours[0], theirs[0])
+    if isinstance(theirs[1], str):
+        assert ours[1] == theirs[1]
+    else:
+        torch.testing.assert_close(ours[1], theirs[1])
+
+
 # In-place writes under forward AD and vmap (found by a hypothesis sweep of in-place ops).
 def _write_from_input(x):
     y = x.clone()

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torch.autograd.forward_ad as fwAD
 from torch.utils._pytree import TreeSpec, _broadcast_to_and_flatten, tree_flatten, tree_unflatten
 
 from torchlevels import batching  # noqa: F401  (registers the rules)
@@ -55,6 +56,8 @@ from torchlevels.batching.registry import (
     written_arguments,
 )
 from torchlevels.batching.shortcuts import wrap_all_front
+
+_unpack_dual = torch._VF._unpack_dual
 
 RANDOMNESS = ("error", "different", "same")
 
@@ -179,6 +182,8 @@ class BatchLevel(Level):
             # A view is made as autograd's view of its base even when nothing requires
             # grad yet: a tracked value written through it later must reach the base.
             with autograd_on():
+                if fwAD._current_level >= 0:  # (forward AD on)
+                    phys = _inner_tangents_dropped(cls, phys)
                 out, out_dims = self._apply(rule, func, phys, dims, kwargs)
                 if grad:
                     out, out_dims = _shared_outputs_copied(cls, out, out_dims, phys, kwargs)
@@ -362,6 +367,30 @@ def unwrap_args(cls, args: tuple) -> tuple[list, list, bool]:
             phys.append(a)
             dims.append(None)
     return phys, dims, grad
+
+
+def _inner_tangents_dropped(cls, phys: list) -> list:
+    """Physical args without the tangents a jvp level inside this one gave them.
+
+    An unbatched primal with a batched tangent (``vmap(jvp(f))`` batching the tangent
+    only) is a plain dual tensor whose tangent is a tensor of this level. Forward AD ran
+    the op's formula on it above this level's dispatch. Run with autograd on (for autograd
+    outside), the rule's ops would run it again on the physical tensors, giving them
+    tangents of this level, which an in-place op's formula then copies into an unbatched
+    tangent. The primal alone is a view autograd records, so autograd outside still
+    reaches the tensor. A tangent of forward AD outside the transforms is kept."""
+    level = fwAD._current_level
+
+    def primal(a: Any) -> Any:
+        if type(a) is torch.Tensor:
+            p, t = _unpack_dual(a, level)
+            if t is not None and isinstance(t, cls):
+                return p
+        elif type(a) is list:
+            return [primal(t) for t in a]
+        return a
+
+    return [primal(a) for a in phys]
 
 
 def _zeros(zero: torch.Tensor) -> torch.Tensor:
