@@ -115,11 +115,12 @@ def lift_written(cls: type[LevelTensor], func, args: tuple, kwargs: dict, kind: 
 def _refuse(func, kind: str, why: str) -> None:
     if why:
         raise CapturedMutationError(
-            f"During a {kind} transform, the function attempted to call the in-place "
-            f"operation {func} that would mutate a tensor not of the transform with a "
-            f"value that depends on its inputs, and {why}. Use the out-of-place op, or make "
-            "the tensor from an input (x.new_zeros(n), torch.zeros_like(x)) or pass it in "
-            "as an input.")
+            # (torch.func's words first: code written for its error matches ours)
+            f"During a grad (vjp, jvp, grad, etc) transform ({kind}), the function provided "
+            f"attempted to call in-place operation ({func}) that would mutate a tensor not "
+            f"of the transform with a value that depends on its inputs, and {why}. Use the "
+            "out-of-place op, or make the tensor from an input (x.new_zeros(n), "
+            "torch.zeros_like(x)) or pass it in as an input.")
 
 
 def _views_named(written: Any, base: Any) -> list[torch.Tensor]:
