@@ -176,6 +176,29 @@ def test_assigning_data_of_a_transforms_tensor_raises_as_torch_func(transform):
         getattr(torchlevels, transform)(f)(x.clone())
 
 
+@pytest.mark.parametrize("transform", ["vmap", "grad", "jacfwd"])
+def test_assigning_a_transforms_tensor_as_a_plain_tensors_data_raises_as_torch_func(transform):
+    # PyTorch's setter gave the plain tensor the wrapper's TensorImpl, which holds no
+    # memory: its next op crashed the interpreter
+    import torchlevels
+
+    def f(a):
+        buffer = torch.zeros(3)
+        buffer.data = a * 2
+        return (buffer * a).sum()
+
+    x = torch.randn(3) if transform != "vmap" else torch.randn(2, 3)
+    with pytest.raises(RuntimeError, match=r"\.data"):
+        getattr(torch.func, transform)(f)(x)
+    with pytest.raises(RuntimeError, match=r"`t\.data = value`: value is a tensor of"):
+        getattr(torchlevels, transform)(f)(x)
+    # outside the transforms, .data is PyTorch's own
+    p, values = torch.nn.Parameter(torch.randn(3)), torch.randn(4)
+    p.data = values
+    assert type(p) is torch.nn.Parameter and p.requires_grad and p.data is not values
+    assert torch.equal(p.detach(), values)
+
+
 @pytest.mark.parametrize("f", [
     lambda x, v: torch.heaviside(x, v),
     lambda x, v: x.clone().heaviside_(v),

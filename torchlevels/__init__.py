@@ -6,9 +6,9 @@
 from functorch.einops import rearrange
 from torch.func import functionalize, replace_all_batch_norm_modules_
 
-# wrap autograd.grad, torch.cond, RNN ops, and F.l1_loss (whose own drops weight= for
-# subclasses)
-from torchlevels import autograd_grad, cond, l1_loss_weight, lifting  # noqa: F401
+# wrap autograd.grad, torch.cond, RNN ops, F.l1_loss (whose own drops weight= for
+# subclasses) and Tensor.data's setter (whose own would crash on a level's tensor)
+from torchlevels import autograd_grad, cond, data_assignment, l1_loss_weight, lifting  # noqa: F401
 from torchlevels._level import (
     EscapedTensorError,
     Level,
