@@ -39,7 +39,7 @@ _NEGATIVE = torch._C.DispatchKey.Negative
 _ZERO_TENSOR = torch._C.DispatchKey.ZeroTensor
 # saves every dispatch key's state, restores it on exit (cheaper than saving three here)
 preserved_dispatch_keys = torch._C._PreserveDispatchKeyGuard
-_autograd_excluded = torch._C._dispatch_tls_is_dispatch_key_excluded
+_key_excluded = torch._C._dispatch_tls_is_dispatch_key_excluded
 _set_excluded = torch._C._dispatch_tls_set_dispatch_key_excluded
 _restore_tls = torch._C._RestorePythonTLSSnapshot
 _PYTHON_KEYS = (torch._C.DispatchKey.Python, torch._C.DispatchKey.PythonTLSSnapshot)
@@ -261,7 +261,7 @@ class LevelTensor(torch.Tensor):
             return NotImplemented  # a foreign subclass: let it go first
         if func is _THROUGH:
             return _through_fn.get()(args[0])
-        if func is _DETACH and not _autograd_excluded(_AUTOGRAD):
+        if func is _DETACH and not _key_excluded(_AUTOGRAD):
             # autograd's own shallow copy (a saved output), not a user's detach: keep the
             # value and its history in every enclosing level (see DESIGN.md, the detach trap)
             return level.rewrap(cls, args[0])
@@ -327,7 +327,7 @@ def _read_number(method: Any, tensor: LevelTensor) -> Any:
     where PyTorch turned it off (``torch.tensor([x])``, ``torch.tensor([[x, y]])``): a
     grad or jvp level gives the value, as torch.func does, and vmap raises its error for a
     value that differs from example to example. Elsewhere it is ``method(tensor)``."""
-    if not _autograd_excluded(_PYTHON_KEYS[0]):
+    if not _key_excluded(_PYTHON_KEYS[0]):  # (the usual case)
         return method(tensor)
     with preserved_dispatch_keys():
         for key in _PYTHON_KEYS:
@@ -431,9 +431,9 @@ class autograd_on:  # lower case: used like a function, `with autograd_on():`
         if _python_key_included(_PYTHON_KEYS[0]) and not _dispatch_modes():
             for key in _PYTHON_KEYS:
                 _set_included(key, False)
-        if _autograd_excluded(_AD_INPLACE_OR_VIEW):
+        if _key_excluded(_AD_INPLACE_OR_VIEW):
             _set_excluded(_AD_INPLACE_OR_VIEW, False)
-        if _autograd_excluded(_AUTOGRAD) and not torch.is_inference_mode_enabled():
+        if _key_excluded(_AUTOGRAD) and not torch.is_inference_mode_enabled():
             for key in _AUTOGRAD_KEYS:
                 _set_excluded(key, False)
 
@@ -462,7 +462,7 @@ def lazy_bits_on() -> None:
 def autograd_records() -> bool:
     """Inside a level's ``__torch_dispatch__``: whether autograd records the ops run now
     (grad mode on, and autograd switched back on by :class:`autograd_on`)."""
-    return torch.is_grad_enabled() and not _autograd_excluded(_AUTOGRAD)
+    return torch.is_grad_enabled() and not _key_excluded(_AUTOGRAD)
 
 
 def wrap_inner(cls: type[LevelTensor], inner: torch.Tensor) -> LevelTensor:
