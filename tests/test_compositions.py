@@ -502,6 +502,31 @@ def test_forward_ad_of_an_unbatched_primal_with_a_batched_tangent_that_autograd_
         torch.testing.assert_close(ours[1], theirs[1])
 
 
+def _shift_then_write_through_a_view(t):
+    t = t + SHIFT  # a constant: forward AD gives it an explicit zero tangent
+    y = t.clone()
+    y.narrow(-1, 0, 1).add_(t.narrow(-1, 0, 1).sin())
+    return y
+
+
+SHIFT = torch.tensor([0.3], dtype=DTYPE)
+
+
+@pytest.mark.parametrize("chain", [("vmap", "vmap", "jvp"), ("grad", "vmap", "jvp")], ids=str)
+def test_forward_ad_of_a_constant_under_vmap_with_autograd_outside(chain):
+    # the constant's zero tangent reached the physical tensors of the vmap levels, whose
+    # rules run with autograd on for the captured c: the write through the view then
+    # copied a batched tangent into one of the constant's shape (found by hypothesis)
+    def run(lib):
+        x = torch.tensor([[[1.2328]]], dtype=DTYPE)[(0,) * (chain[0] == "grad")]
+        x, c = x.clone().requires_grad_(), torch.tensor([0.7], dtype=DTYPE).requires_grad_()
+        f = compose(lib, chain, lambda t: _shift_then_write_through_a_view(t * c.cos()))
+        out = f(x)
+        return out, torch.autograd.grad(out.sum(), (x, c))
+
+    torch.testing.assert_close(run(tl), run(ft))
+
+
 # In-place writes under forward AD and vmap (found by a hypothesis sweep of in-place ops).
 def _write_from_input(x):
     y = x.clone()

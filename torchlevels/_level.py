@@ -146,6 +146,10 @@ class Level:
     # the tensors it took in when written with its values (see torchlevels.lifted), given
     # back at its exit
     lifted: list[torch.Tensor] | None = None
+    # whether a jvp level was entered inside it: that level's duals, which share PyTorch's
+    # one forward-AD level, may then reach its ops (see autodiff's _without_tangent and
+    # vmap's _tangents_dropped)
+    hosts_jvp = False
 
     def __init__(self) -> None:
         self.alive = True

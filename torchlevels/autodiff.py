@@ -177,7 +177,6 @@ class GradLevel(Level):
         # backward pass must be recorded for it too, as when an input requires grad
         self.captures_tracked = False
         self.in_backward = False  # its backward pass runs (see backward_pass)
-        self.hosts_jvp = False  # whether a jvp level was entered inside (see _without_tangent)
         self.hooks = contextlib.ExitStack()  # saved-tensor hooks refused while it is live
         # how many grad levels entered with grad mode off are live inside: meanwhile
         # nothing is recorded on our graph (see paused_outside)
@@ -540,9 +539,6 @@ class JvpLevel(Level):
     def __init__(self, name: str = "jvp") -> None:
         super().__init__()
         self.kind = name
-        # whether a jvp level was entered inside this one: its duals, which share PyTorch's
-        # one forward-AD level with ours, may reach our ops (see _without_tangent)
-        self.hosts_jvp = False
         # how many jvp levels entered with forward grad off are live inside: meanwhile
         # our ops give no tangents (see paused_outside)
         self.paused = 0
@@ -1361,7 +1357,7 @@ def jvp_level(name: str = "jvp") -> Iterator[type[LevelTensor]]:
     """
     level = JvpLevel(name)
     cls = new_level_class(level, "DualTensor", classmethod(no_shortcuts), **_JVP_LEVEL_TENSOR)
-    for outer in autodiff_classes(cls.__base__):
+    for outer in enclosing_classes(cls.__base__):
         outer._level.hosts_jvp = True
     # on inside, as torch.func's jvp turns it on (PyTorch turns it off in Function.forward)
     with (paused_outside(cls), entered(cls), inference_mode_off(), _dual_level(),

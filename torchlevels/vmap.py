@@ -182,8 +182,8 @@ class BatchLevel(Level):
             # A view is made as autograd's view of its base even when nothing requires
             # grad yet: a tracked value written through it later must reach the base.
             with autograd_on():
-                if fwAD._current_level >= 0:  # (forward AD on)
-                    phys = _inner_tangents_dropped(cls, phys)
+                if self.hosts_jvp and fwAD._current_level >= 0:
+                    phys = _tangents_dropped(phys)
                 out, out_dims = self._apply(rule, func, phys, dims, kwargs)
                 if grad:
                     out, out_dims = _shared_outputs_copied(cls, out, out_dims, phys, kwargs)
@@ -369,24 +369,25 @@ def unwrap_args(cls, args: tuple) -> tuple[list, list, bool]:
     return phys, dims, grad
 
 
-def _inner_tangents_dropped(cls, phys: list) -> list:
+def _tangents_dropped(phys: list) -> list:
     """Physical args without the tangents a jvp level inside this one gave them.
 
-    An unbatched primal with a batched tangent (``vmap(jvp(f))`` batching the tangent
-    only) is a plain dual tensor whose tangent is a tensor of this level. Forward AD ran
-    the op's formula on it above this level's dispatch. Run with autograd on (for autograd
-    outside), the rule's ops would run it again on the physical tensors, giving them
-    tangents of this level, which an in-place op's formula then copies into an unbatched
-    tangent. The primal alone is a view autograd records, so autograd outside still
-    reaches the tensor. A tangent of forward AD outside the transforms is kept."""
+    A plain argument of an op of such a level is a dual tensor: an unbatched primal with
+    a batched tangent (``vmap(jvp(f))`` batching the tangent only), or a constant with an
+    explicit zero tangent (see ``ZERO_TANGENT_ARGUMENTS``). Forward AD ran the op's
+    formula on it above this level's dispatch, for the jvp level. Run with autograd on
+    (for autograd outside), the rule's ops would run it again on the physical tensors,
+    giving them tangents of the wrong shapes, which an in-place op's formula then copies
+    into one another. The primal alone is a view autograd records, so autograd outside
+    still reaches the tensor. (Forward AD outside the transforms, with no jvp level
+    inside this one, keeps its tangents: the physical tensors carry them.)"""
     level = fwAD._current_level
 
     def primal(a: Any) -> Any:
         if type(a) is torch.Tensor:
             p, t = _unpack_dual(a, level)
-            if t is not None and isinstance(t, cls):
-                return p
-        elif type(a) is list:
+            return a if t is None else p
+        if type(a) is list:
             return [primal(t) for t in a]
         return a
 
