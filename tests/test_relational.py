@@ -717,6 +717,19 @@ def test_groups_of_int_keys_spanning_more_than_2_to_the_62_are_sorted(con):
             f"order by {order}"))
 
 
+def test_left_join_with_a_filter_that_kept_no_rows(con, people, orders):
+    # the kept side's rows come out with nulls for the other's columns (before: an
+    # IndexError gathering the empty side's nulls)
+    P, O = dims(2)
+    p, o = people[P], orders[O]
+    P2, young = where(p["age"] < 0, p)
+    OP, op = where(o["pid"] == young["id"], cat(o[["oid"]], young[["name", "score"]]), keep=O)
+    theirs = duck_rows(con, "select oid, name, score from orders left join "
+                       "(select * from people where age < 0) on pid = id")
+    assert OP.size == len(theirs) == ORDERS.num_rows
+    assert_same_rows(our_rows(op.order(OP)), theirs, ordered=False)
+
+
 BIG = pa.table({"x": pa.array([2**62, 1, -3], pa.int64()), "k": pa.array([1, 1, 2], pa.int64()),
                 "m": pa.array([-2**63, 5, 0], pa.int64())})
 
@@ -733,6 +746,18 @@ def test_int64_overflow_is_an_error_as_in_duckdb(con, fused, expr, sql):
     R = dims(1)
     with pytest.raises(OverflowError, match="int64 overflow: .* does not fit in 64 bits"):
         expr(t[R]).sum(R).item()
+
+
+@pytest.mark.parametrize("how", ["count", "count_distinct", "max"])
+def test_an_aggregate_of_an_overflowing_expression_is_an_error_as_in_duckdb(con, fused, how):
+    # count read only the expression's nulls, so it never ran the overflowing sum
+    t = _register(con, "big", BIG)
+    sql = {"count_distinct": "count(distinct x * 4)"}.get(how, f"{how}(x * 4)")
+    with pytest.raises(duckdb.Error, match="Overflow|out of range"):
+        duck_rows(con, f"select {sql} from big")
+    R = dims(1)
+    with pytest.raises(OverflowError, match="int64 overflow: .* does not fit in 64 bits"):
+        getattr(t[R]["x"] * 4, how)(R).item()
 
 
 def test_int64_arithmetic_and_sums_that_fit_match_duckdb(con, fused):
@@ -1060,6 +1085,19 @@ ARITH = pa.table({"i": pa.array([3, -7, None, 0, 2**62], pa.int64()),
                   "f": pa.array([-1.5, float("nan"), None, -0.0, 2.0]),
                   "j": pa.array([2, -3, 4, 0, -1], pa.int64()),  # no nulls: recorded lazily
                   "b": pa.array([True, False, None, True, False])})
+
+
+def test_powers_of_infinities_and_signed_zeros_match_duckdb(con, fused):
+    # torch.pow takes a number exponent of 0.5 or -0.5 for sqrt or rsqrt, NaN at -inf,
+    # where SQL's pow (C's) gives inf and 0
+    t = _register(con, "edges", pa.table({"f": pa.array(
+        [float("-inf"), float("inf"), -0.0, 0.0, 4.0, float("nan"), None])}))
+    R = dims(1)
+    r = t[R]
+    exponents = [0.5, -0.5, 2, 2.5, -1, 3, 0]
+    out = Table({f"p{k}": (r["f"] ** e).order(R) for k, e in enumerate(exponents)})
+    sql = "select " + ", ".join(f"f ** {e}" for e in exponents) + " from edges"
+    assert_same_rows(our_rows(out), duck_rows(con, sql))
 
 
 def test_abs_and_powers_match_duckdb(con, fused):

@@ -13,7 +13,7 @@ import torch
 
 from torchlevels.relational._column import Column, Grouping, _device, _rows, _rows_in_no_group
 from torchlevels.relational._floats import from_order_key, order_key
-from torchlevels.relational._fuse import SMALL_GROUPS, evaluate, reduce, reduce_counted
+from torchlevels.relational._fuse import SMALL_GROUPS, Expr, evaluate, reduce, reduce_counted
 from torchlevels.relational._ints import halves, summed_halves, whole, whole_float
 
 
@@ -80,6 +80,8 @@ def reduce_all(col: Column, how: str):
         mask, count = None, lambda: torch.tensor(_rows(col), device=_device(col))
     if col.valid is None and how != "count_distinct":
         if how == "count":
+            if isinstance(col.data, Expr):  # SQL runs what it counts: an overflow raises
+                col.physical()
             return count(), None
         total, rows = reduce_counted(col.data, mask, "sum" if how == "mean" else how)
         if int(rows) == 0:  # SQL: an aggregate of no rows is null

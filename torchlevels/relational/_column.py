@@ -308,8 +308,12 @@ class Column:
         missing = index < 0
         has_missing = bool(missing.any())
         safe = index.clamp(min=0) if has_missing else index
-        values = self.values[safe] if self.values.numel() else self.values.new_zeros(index.shape)
-        valid = None if self.valid is None else self.valid[safe]
+        if self.values.numel():
+            values = self.values[safe]
+            valid = None if self.valid is None else self.valid[safe]
+        else:  # no rows: every index is -1, a null
+            values = self.values.new_zeros(index.shape)
+            valid = None if self.valid is None else self.valid.new_zeros(index.shape)
         if has_missing:
             valid = ~missing if valid is None else valid & ~missing
         return Column(values, self.kind, dims=dims, valid=valid, dictionary=self.dictionary,

@@ -43,8 +43,12 @@ def _true_divide(a, b):
 
 
 def _power(a, b):
-    # SQL's ** (POW) computes in DOUBLE, whatever its operands
+    # SQL's ** (POW) computes in DOUBLE, whatever its operands. A number exponent goes in
+    # as a tensor: torch.pow takes 0.5 and -0.5 for sqrt and rsqrt, which give NaN for
+    # -inf, where C's pow (DuckDB's) gives inf and 0
     a, b = (x.double() if isinstance(x, torch.Tensor) else float(x) for x in (a, b))
+    if isinstance(a, torch.Tensor) and not isinstance(b, torch.Tensor):
+        b = torch.tensor(b, dtype=torch.float64, device=a.device)
     return torch.pow(a, b)
 
 
