@@ -242,6 +242,21 @@ def test_join_does_not_make_the_outer_product():
     assert bool((ab["k"].values == ab["k2"].values).all())
 
 
+@pytest.mark.parametrize("descending", [[False, True], [True, False]], ids=str)
+def test_sort_by_a_computed_column_with_nulls_then_another_matches_duckdb(con, people,
+                                                                          descending):
+    # a null row's hidden value (age + id computed where age is null) ordered the null
+    # rows, so the second key's order was lost among them
+    P = dims(1)
+    p = people[P]
+    t = Table({"x": (p["age"] + p["id"]).order(P), "id": p["id"].order(P)})
+    ours = t.sort(["x", "id"], descending=descending)
+    directions = ["desc" if d else "asc" for d in descending]
+    theirs = duck_rows(con, f"select age + id as x, id from people order by x "
+                       f"{directions[0]} nulls last, id {directions[1]}")
+    assert_same_rows(our_rows(ours), theirs)
+
+
 def test_join_of_float_and_int_keys_and_sort_merge_path(con):
     a = pa.table({"k": pa.array([1.0, 2.5, 3.0, None]), "u": pa.array([1, 2, 3, 4])})
     b = pa.table({"j": pa.array([3, 1, 1, 10 ** 12], pa.int64()), "v": pa.array([7, 8, 9, 10])})

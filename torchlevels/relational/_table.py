@@ -145,8 +145,10 @@ class Table:
         index = torch.arange(self._num_rows, device=self.device)
         for name, d in reversed(list(zip(by, desc))):
             col = self[name]
-            order = torch.argsort(col.values[index], stable=True, descending=d)
-            index = index[order]
+            values = col.values[index]
+            if col.valid is not None:  # a null's value is no key: nulls tie, keeping order
+                values = torch.where(col.valid[index], values, values.new_zeros(()))
+            index = index[torch.argsort(values, stable=True, descending=d)]
             if col.valid is not None:
                 index = index[torch.argsort((~col.valid[index]).to(torch.int8), stable=True)]
         return self._take(index)
