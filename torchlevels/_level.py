@@ -147,8 +147,7 @@ class Level:
     # back at its exit
     lifted: list[torch.Tensor] | None = None
     # whether a jvp level was entered inside it: that level's duals, which share PyTorch's
-    # one forward-AD level, may then reach its ops (see autodiff's _without_tangent and
-    # vmap's _tangents_dropped)
+    # one forward-AD level, may then reach its ops (see torchlevels.inner_duals)
     hosts_jvp = False
 
     def __init__(self) -> None:

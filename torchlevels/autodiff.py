@@ -70,6 +70,7 @@ from torchlevels.batching.registry import (
     writes_first_argument,
 )
 from torchlevels.batching.shortcuts import no_shortcuts
+from torchlevels.inner_duals import primals, without_tangent
 from torchlevels.jvp_over_vmap import pointwise_on_batches
 from torchlevels.lifted import lift_written
 from torchlevels.zero_tangents import (
@@ -251,9 +252,10 @@ class GradLevel(Level):
             # graph would save and differentiate after that level exits
             written = writes_first_argument(func)  # (an in-place op writes its first)
             with autograd_on():  # (forward AD's ops run at autograd's keys)
-                inner_args = [_primal_of_others(a, written and i == 0)
+                level = fwAD._current_level
+                inner_args = [primals(a, level, written and i == 0)
                               for i, a in enumerate(inner_args)]
-                inner_kwargs = {k: _primal_of_others(v) for k, v in inner_kwargs.items()}
+                inner_kwargs = {k: primals(v, level) for k, v in inner_kwargs.items()}
         if _shapes_only(args):
             # meta copies, made by PyTorch to learn an output's shape: no derivative
             out = func(*inner_args, **inner_kwargs)
@@ -386,7 +388,10 @@ def _level_requires_grad_(t: torch.Tensor, requires_grad: bool = True) -> torch.
     if requires_grad:
         fix = ("make it an input of the function the transform differentiates (for "
                "torch.autograd.functional's jacobian, hessian, vjp or jvp, which set it on "
-               "their inputs, call torchlevels' jacrev, hessian, vjp or jvp instead)")
+               "their inputs, call torchlevels' jacrev, hessian, vjp or jvp instead). "
+               "nn.Parameter(t) calls it too, and would cut t from the gradient: to run a "
+               "module with t as a parameter, call "
+               "torch.func.functional_call(module, {name: t}, args)")
     else:
         fix = "use t.detach() for a value the level does not track"
     raise RuntimeError(
@@ -999,7 +1004,8 @@ fwAD._maybe_load_decompositions()
 def _to_dual(a: Any, cls, level: int, nested: bool = False) -> Any:
     """Argument ``a`` of an op at jvp level ``cls`` as forward AD's dual tensor, if it is
     ours; with ``nested`` (a jvp level was entered inside ``cls``), any other tensor
-    without the tangent such a level gave it (see :func:`_without_tangent`)."""
+    without the tangent such a level gave it (see
+    :func:`torchlevels.inner_duals.without_tangent`)."""
     if type(a) is cls:
         if _view_tangent(a) is None:
             return a._inner
@@ -1011,34 +1017,8 @@ def _to_dual(a: Any, cls, level: int, nested: bool = False) -> Any:
     if type(a) in (list, tuple):
         return type(a)(_to_dual(t, cls, level, nested) for t in a)
     if nested and isinstance(a, torch.Tensor):
-        return _without_tangent(a, level)
+        return without_tangent(a, level)
     return a
-
-
-def _primal_of_others(a: Any, written: bool = False) -> Any:
-    """An inner argument of a grad level's op (a list of them), with any plain tensor's
-    tangent dropped (see :func:`_without_tangent`): a jvp level inside made it."""
-    if type(a) in (list, tuple):
-        return type(a)(map(_primal_of_others, a))
-    if type(a) is torch.Tensor:
-        return _without_tangent(a, fwAD._current_level, written)
-    return a
-
-
-def _without_tangent(t: torch.Tensor, level: int, written: bool = False) -> torch.Tensor:
-    """``t``'s primal, if it is a dual tensor of a jvp level nested inside the one running
-    an op. PyTorch has one forward-AD level, which nested jvp levels share: a level inside
-    makes duals of its own primals, and one made of a tensor that is constant to this
-    level (``jvp(lambda b: a + b * b, (two,), ...)`` with ``a`` of this level) reaches
-    this level's op as a plain tensor with that level's tangent, while the level is live
-    or later, saved in a grad level's graph. Its tangent is the inner level's to
-    propagate (forward AD did, above this level's dispatch), never this level's. A tensor
-    with no tangent yet may get one after this op: an inner level's result, which its
-    forward formula reads (``exp``'s tangent is ``t * result``) before forward AD attaches
-    the tangent. So the primal, a view forward AD never gives a tangent, goes in our
-    graph, unless the op writes ``t`` in place (``written``): the write must land on it."""
-    primal, tangent = _unpack_dual(t, level=level)
-    return t if tangent is None and written else primal
 
 
 # Ops whose forward-AD formula plain autograd cannot differentiate again (softmax's writes

@@ -56,8 +56,7 @@ from torchlevels.batching.registry import (
     written_arguments,
 )
 from torchlevels.batching.shortcuts import wrap_all_front
-
-_unpack_dual = torch._VF._unpack_dual
+from torchlevels.inner_duals import primals
 
 RANDOMNESS = ("error", "different", "same")
 
@@ -183,7 +182,10 @@ class BatchLevel(Level):
             # grad yet: a tracked value written through it later must reach the base.
             with autograd_on():
                 if self.hosts_jvp and fwAD._current_level >= 0:
-                    phys = _tangents_dropped(phys)
+                    # the plain duals a jvp level inside made: the rule's ops, run with
+                    # autograd on, would run their forward formulas again (see
+                    # torchlevels.inner_duals); the primals keep autograd outside's graph
+                    phys = primals(phys, fwAD._current_level, written=True)
                 out, out_dims = self._apply(rule, func, phys, dims, kwargs)
                 if grad:
                     out, out_dims = _shared_outputs_copied(cls, out, out_dims, phys, kwargs)
@@ -367,31 +369,6 @@ def unwrap_args(cls, args: tuple) -> tuple[list, list, bool]:
             phys.append(a)
             dims.append(None)
     return phys, dims, grad
-
-
-def _tangents_dropped(phys: list) -> list:
-    """Physical args without the tangents a jvp level inside this one gave them.
-
-    A plain argument of an op of such a level is a dual tensor: an unbatched primal with
-    a batched tangent (``vmap(jvp(f))`` batching the tangent only), or a constant with an
-    explicit zero tangent (see ``ZERO_TANGENT_ARGUMENTS``). Forward AD ran the op's
-    formula on it above this level's dispatch, for the jvp level. Run with autograd on
-    (for autograd outside), the rule's ops would run it again on the physical tensors,
-    giving them tangents of the wrong shapes, which an in-place op's formula then copies
-    into one another. The primal alone is a view autograd records, so autograd outside
-    still reaches the tensor. (Forward AD outside the transforms, with no jvp level
-    inside this one, keeps its tangents: the physical tensors carry them.)"""
-    level = fwAD._current_level
-
-    def primal(a: Any) -> Any:
-        if type(a) is torch.Tensor:
-            p, t = _unpack_dual(a, level)
-            return a if t is None else p
-        if type(a) is list:
-            return [primal(t) for t in a]
-        return a
-
-    return [primal(a) for a in phys]
 
 
 def _zeros(zero: torch.Tensor) -> torch.Tensor:
