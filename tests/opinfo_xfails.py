@@ -34,9 +34,6 @@ XFAILS: dict[str, str] = {
         "both: data-dependent Python value (.item()) read from a batched tensor",
         "narrow", "nn.functional.gaussian_nll_loss",
     ),
-    "resize_": (
-        "both: resize_ changes the shape of a batched tensor in place"
-    ),
     "tensor_split": (
         "both: batched tensor_indices_or_sections are data-dependent split points (here: "
         "'data is not allocated yet')"
@@ -54,7 +51,7 @@ VARIANT_XFAILS: dict[str, str] = {
     **{f"{op}.method": XFAILS[op] for op in (
         "as_strided", "as_strided.partial_views", "index_put", "narrow", "tensor_split")},
     **{f"{op}.inplace": XFAILS[op] for op in (
-        "as_strided", "as_strided.partial_views", "index_put", "resize_")},
+        "as_strided", "as_strided.partial_views", "index_put")},
     "addbmm.inplace": (
         "both: PyTorch's addbmm_ resizes a one-element self to the product's shape; a "
         "batched self cannot grow (torchlevels raises, torch.func keeps the old shape)"),

@@ -5,6 +5,7 @@ several in_dims, and must not fall back to the slow per-example loop.
 """
 
 import functools
+import math
 import re
 
 import pytest
@@ -163,16 +164,103 @@ def test_in_place_as_strided_under_grad_of_vmap_matches_a_loop():
     torch.testing.assert_close(vmap(torchlevels.grad(f))(xs), loop)
 
 
+def _resized(size, prepare=torch.clone):
+    """A function resizing a tensor made from its argument in place to ``size``."""
+    def f(a):
+        y = prepare(a)
+        y.resize_(size)
+        return y
+    return f
+
+
+def _kept(y: torch.Tensor, batch: int, count: int) -> torch.Tensor:
+    """Each example's first ``count`` elements (a resized example is contiguous)."""
+    return y[:batch].reshape(batch, -1)[:, :count]
+
+
 @pytest.mark.parametrize("in_dim", [0, 1])
-def test_resize_to_each_examples_own_size_is_a_no_op_and_another_size_raises(in_dim):
+@pytest.mark.parametrize("size", [(4, 2), (2,), (3, 2), (), (0,), (11,), (3, 4)])
+def test_resize_resizes_each_example_as_a_loop_does(in_dim, size):
     x = torch.randn(3, 4, 2)
-    same = lambda a: a.clone().resize_(a.shape).mul_(2)  # noqa: E731
-    torch.testing.assert_close(vmap_without_slow_loop(same, x, in_dims=in_dim),
-                               loop_reference(same, [x], in_dim))
-    # torch.func resizes the physical tensor (batched at 0 only), so its examples read each
-    # other's elements
-    with pytest.raises(RuntimeError, match="only a resize to each example's own size"):
-        vmap(lambda a: a.clone().resize_(2), in_dims=in_dim)(x)
+    f = _resized(size)
+    out, loop = vmap_without_slow_loop(f, x, in_dims=in_dim), loop_reference(f, [x], in_dim)
+    assert out.shape == loop.shape
+    batch, kept = x.shape[in_dim], min(math.prod(size), x.select(in_dim, 0).numel())
+    # (a growth leaves the new elements uninitialized)
+    torch.testing.assert_close(_kept(out, batch, kept), _kept(loop, batch, kept))
+    # torch.func resizes the physical tensor as one (batched at 0 only), so that its
+    # examples read each other's elements where a loop's keep their own
+    if in_dim == 0 and 0 < math.prod(size) < 8:
+        assert not torch.equal(_kept(func_vmap(f)(x), batch, kept), _kept(loop, batch, kept))
+
+
+@pytest.mark.parametrize("prepare", [
+    lambda a: a * 1,  # batched at 1: the batch interleaves the examples' elements
+    lambda a: a.mT.contiguous().mT,  # examples laid out transposed, as in a loop
+    lambda a: a.clone()[:, ::2],  # a view whose elements are not all its block's
+], ids=["interleaved", "transposed", "strided"])
+@pytest.mark.parametrize("size", [(3,), (20,)])
+def test_resize_keeps_each_examples_elements_in_memory_order(prepare, size):
+    x = torch.randn(4, 3, 4).movedim(0, 1)  # examples at dim 1
+    f = _resized(size, prepare)
+    out, loop = vmap_without_slow_loop(f, x, in_dims=1), loop_reference(f, [x], 1)
+    assert out.shape == loop.shape
+    kept = min(size[0], prepare(x[:, 0]).numel())
+    torch.testing.assert_close(_kept(out, 4, kept), _kept(loop, 4, kept))
+
+
+def test_resize_that_shrinks_leaves_views_of_the_tensor_seeing_it():
+    def f(a):
+        y = a.clone()
+        head = y[:2]
+        y.resize_(3)
+        y.mul_(2)
+        return head
+
+    x = torch.randn(5, 6)
+    torch.testing.assert_close(vmap_without_slow_loop(f, x), loop_reference(f, [x], 0))
+
+
+def test_resize_errors_as_eager():
+    x = torch.randn(3, 4, requires_grad=True)
+    with pytest.raises(RuntimeError, match="cannot resize variables that require grad"):
+        vmap(lambda a: a.resize_(2))(x)
+    with pytest.raises(RuntimeError, match="only the contiguous format can be batched"):
+        vmap(lambda a: a.clone().resize_(1, 2, 2, 1, memory_format=torch.channels_last))(
+            x.detach())
+
+
+@pytest.mark.parametrize("in_dims", [(0, 0), (0, None), (1, 1)])
+def test_resize_as_resizes_each_example_to_the_templates_size(in_dims):
+    def f(a, template):
+        y = a.clone()
+        y.resize_as_(template)
+        return y
+
+    x = torch.randn(3, 3, 2)
+    template = torch.randn(3, 1) if in_dims[1] is None else torch.randn(3, 3, 1)  # a shrink
+    torch.testing.assert_close(vmap_without_slow_loop(f, x, template, in_dims=in_dims),
+                               loop_reference(f, [x, template], in_dims))
+
+
+def test_resize_as_of_an_unbatched_tensor_to_a_batched_template_resizes_it_once():
+    def f(template, out):
+        out.resize_as_(template)
+        return template * 2
+
+    template = torch.randn(3, 2)
+    out, expected = torch.zeros(5), torch.zeros(5)
+    vmap_without_slow_loop(f, template, out, in_dims=(0, None))
+    for example in template:
+        f(example, expected)
+    assert out.shape == expected.shape
+
+
+def test_resize_under_nested_vmap():
+    f = _resized((2, 3))
+    x = torch.randn(2, 3, 6)
+    torch.testing.assert_close(vmap(vmap(f))(x), torch.stack([loop_reference(f, [e], 0)
+                                                              for e in x]))
 
 
 @pytest.mark.parametrize("in_dims", [(0, 0), (1, None), (2, 1), (None, 0)])

@@ -303,14 +303,54 @@ register(aten.as_strided_.default)(as_strided)  # out of place: the wrapper take
 
 @register(aten.resize_)
 def inplace_resize(func, args, dims, kwargs):
-    """To each example's own size it changes nothing, as eager's; another size would change
-    the examples' sizes and strides in place, which a batched tensor cannot take."""
+    """Each example resized on its own, as a loop would: it keeps the first elements of
+    its block of storage (on growing, the new ones are uninitialized, as eager's).
+
+    Where each block holds the new size, the wrapper takes a view of it (no element moves,
+    and views of the tensor keep seeing its memory); otherwise the examples move to new
+    storage, one block each, which views taken before no longer share (eager grows one
+    storage that they share). Where the batch interleaves the examples' elements (a
+    layout of vmap's making), each keeps its elements in memory order, as its own tensor
+    would. (torch.func resizes the batch as one tensor, so that its examples take one
+    another's elements.)"""
     x, size = args[:2]
-    if dims[0] is not None and tuple(size) == logical_shape(x, dims[0]) and (
-            kwargs.get("memory_format") is None):
-        return x, dims[0]
-    raise RuntimeError(
-        f"vmap: {func} sets the sizes and strides of a batched tensor in place, which cannot "
-        "be batched (only a resize to each example's own size can). Use an out-of-place op "
-        "(reshape, view, expand) instead."
-    )
+    memory_format = kwargs.get("memory_format")
+    if memory_format not in (None, torch.contiguous_format):
+        raise RuntimeError(
+            f"vmap: {func} with memory_format={memory_format} is not supported: only the "
+            "contiguous format can be batched. Resize, then call .contiguous(memory_format=...)."
+        )
+    if tuple(size) == logical_shape(x, dims[0]):
+        return x, dims[0]  # eager changes nothing, not even the strides
+    if x.requires_grad:
+        raise RuntimeError("cannot resize variables that require grad")
+    x = to_front(x, dims[0])
+    b, n, start = x.shape[0], math.prod(size), x.storage_offset()
+    out = x.new_empty((b, *size))
+    if b == 0:
+        return out, 0
+    step = x.stride(0) if b > 1 else 0
+    if type(x) is torch.Tensor and (b == 1 or step >= span(x.shape[1:], x.stride()[1:])):
+        # each example has a block of storage: the memory up to the next one's
+        last = x.untyped_storage().nbytes() // x.element_size() - start - (b - 1) * step
+        block = max(0, min(step, last) if b > 1 else last)
+        if block >= n:
+            return x.as_strided((b, *size), (step, *out.stride()[1:]), start), 0
+        out.view(b, n)[:, :block] = x.as_strided((b, block), (step, 1), start)
+        return out, 0
+    # a level's tensor (no storage of its own), or interleaved examples
+    order = sorted(range(1, x.dim()), key=lambda d: -x.stride(d))  # memory order
+    kept = min(n, math.prod(x.shape[1:]))
+    out.view(b, n)[:, :kept] = x.permute(0, *order).reshape(b, -1)[:, :kept]
+    return out, 0
+
+
+@register(aten.resize_as_.default)
+def inplace_resize_as(func, args, dims, kwargs):
+    """``resize_`` to the template's size, the same for every example: an unbatched tensor
+    is resized once, as a loop would resize it again and again."""
+    x, template = args[:2]
+    size = logical_shape(template, dims[1])
+    if dims[0] is None:
+        return func(x, torch.empty(size, device="meta"), **kwargs), None
+    return inplace_resize(aten.resize_.default, (x, size), dims[:1], kwargs)
