@@ -1029,6 +1029,25 @@ def test_requires_grad_inplace_inside_grad(flag):
         tl.grad(f)(X)
 
 
+def test_a_parameter_made_of_a_tracked_tensor_is_refused_with_functional_call_as_the_fix():
+    """nn.Parameter(t) detaches t: torch.func answers a zero gradient through it."""
+    linear = torch.nn.Linear(3, 2, dtype=X.dtype)
+
+    def through_a_parameter(w):
+        linear.weight = torch.nn.Parameter(w)
+        return linear(X).sum()
+
+    def through_functional_call(w):
+        return tf.functional_call(linear, {"weight": w}, (X,)).sum()
+
+    w = torch.randn(2, 3, dtype=X.dtype)
+    with pytest.raises(RuntimeError, match=r"nn.Parameter\(t\) calls it too.*functional_call"):
+        tl.grad(through_a_parameter)(w)
+    assert not tf.grad(through_a_parameter)(w).any()
+    assert_tree_close(tl.grad(through_functional_call)(w), tf.grad(through_functional_call)(w))
+    assert tl.grad(through_functional_call)(w).any()
+
+
 def test_code_that_branches_on_grad_fn_gets_the_gradient():
     f = lambda x: (w := x.sin()).sum() * (1.0 if w.grad_fn is None else 2.0)
     assert_tree_close(tl.grad(f)(X), tf.grad(f)(X))
