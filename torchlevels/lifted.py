@@ -11,12 +11,17 @@ exits, the object is a plain tensor again, holding the values written. It keeps 
 identity throughout, so ``y = buf.add_(v)`` and ``torch.zeros(n).index_add_(...)`` give it.
 
 A write into a view (``out[i] = v`` writes into ``out.select(0, i)``) takes in the view's
-base too, the view being the same view of the base's constant. A tensor whose memory other
-tensors share (``rows = agg.unbind(0)`` taken before the first write) is refused: those
-tensors would go on reading the buffer untracked, a wrong derivative with no error. So is
-a tensor PyTorch's C++ code made and writes (a backward formula's buffer): only the
-tensors the user's own call names (``buf`` in ``buf.index_add_(...)``, the tensor indexed
-in ``buf[i] = v``) are taken in, since C++ code goes on using the plain tensor it holds.
+base too, the view being the same view of the base's constant, and so every other view of
+the base the program holds (``rows = agg.unbind(0)``, ``head = out[:2]`` taken before the
+first write): each would otherwise go on reading the buffer untracked, a wrong derivative
+with no error. PyTorch keeps no list of a tensor's views, so they are looked for among the
+objects Python's garbage collector tracks, youngest first, until they account for every
+tensor that holds the memory (the storage's use count). A tensor whose memory something
+else holds (an alias that is no view, such as ``detach()``'s, or one only C++ code holds)
+is refused. So is a tensor PyTorch's C++ code made and writes (a backward formula's
+buffer): only the tensors the user's own call names (``buf`` in ``buf.index_add_(...)``,
+the tensor indexed in ``buf[i] = v``) are taken in, since C++ code goes on using the plain
+tensor it holds.
 
 torch.func refuses a write into a tensor made outside the function (a captured one); this
 takes it in as well, and it keeps the values written after the call, as in eager PyTorch.
@@ -25,6 +30,7 @@ takes it in as well, and it keeps the values written after the call, as in eager
 from __future__ import annotations
 
 import contextvars
+import gc
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -99,6 +105,8 @@ def lift_written(cls: type[LevelTensor], func, args: tuple, kwargs: dict, kind: 
     base = written._base if type(written) is torch.Tensor and written._is_view() else written
     views = _views_named(written, base)
     _refuse(func, kind, _plain_refusal(written, base, views))
+    views += _views_held(base, views)
+    _refuse(func, kind, _shared_memory_refusal(base, 2 + len(views)))
     memory = base.detach()  # the level's own TensorImpl for the buffer's memory
     level_base = _take_in(cls, base, constant(cls, memory))
     aliases = [weakref.ref(base)]
@@ -148,9 +156,23 @@ def _plain_refusal(written: Any, base: Any, views: list[torch.Tensor]) -> str:
     if not any(a is base or any(a is v for v in views) for a in _writing.get()):
         return ("it is not a tensor the call names (PyTorch's own code made it, the call "
                 "went to torch.ops.aten directly, or it wrote through a view made before)")
-    # the TensorImpls holding its storage: the base's, the views', and the storage object
-    # made here to ask; any other is a view or alias whose reads would stay untracked
-    return _shared_memory_refusal(base, 2 + len(views))
+    return ""
+
+
+def _views_held(base: torch.Tensor, views: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The plain views of ``base`` other than ``base`` and ``views`` that the program
+    holds, searched for only while the TensorImpls holding its storage are not all
+    accounted for (see :func:`_shared_memory_refusal`); the youngest generation of the
+    garbage collector first, where views just made are."""
+    known = [base, *views]
+    found: list[torch.Tensor] = []
+    for generation in range(3):
+        if _storage_use_count(base.untyped_storage()._cdata) <= 2 + len(views) + len(found):
+            break
+        found += [t for t in gc.get_objects(generation)
+                  if type(t) is torch.Tensor and t._is_view() and t._base is base
+                  and not any(t is k for k in known)]
+    return found
 
 
 def _level_tensor_refusal(written: LevelTensor) -> str:
@@ -171,9 +193,13 @@ def _level_tensor_refusal(written: LevelTensor) -> str:
 
 
 def _shared_memory_refusal(t: torch.Tensor, expected: int) -> str:
+    """Why ``t`` cannot be taken in, if more than ``expected`` TensorImpls hold its
+    storage (counting the storage object made here to ask): the others would go on
+    reading it untracked."""
     if _storage_use_count(t.untyped_storage()._cdata) > expected:
-        return ("other tensors share its memory (views of it, such as the rows of "
-                "unbind, taken before the first write): they would read it untracked")
+        return ("something else holds its memory (an alias that is no view of it, such as "
+                "detach()'s, or a tensor that only PyTorch's C++ code holds): it would "
+                "read the memory untracked")
     return ""
 
 
