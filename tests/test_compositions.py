@@ -527,6 +527,30 @@ def test_forward_ad_of_a_constant_under_vmap_with_autograd_outside(chain):
     torch.testing.assert_close(run(tl), run(ft))
 
 
+def _write_through_a_transposed_view_then_abs(x):
+    y = x.clone()
+    y[...].transpose(0, -1).mul_(x.transpose(0, -1).cos())
+    return y.abs()  # abs's second derivative: a zero that sgn's backward makes
+
+
+@pytest.mark.parametrize("chain", [("jvp", "grad", "grad"), ("jvp", "vjp", "grad"),
+                                   ("vmap", "grad", "grad"), ("vmap", "vjp", "grad"),
+                                   ("vmap", "jvp", "grad", "grad")], ids=str)
+def test_a_backward_formulas_zero_meets_a_write_through_a_view(chain):
+    # sgn's backward made plain zeros, which the backward of the write through the view
+    # (CopySlices) copied into a buffer, then wrote the levels' values into: under jvp a
+    # plain buffer written with the jvp level's values (refused, found by hypothesis with a
+    # new seed); under vmap an unbatched one written with batched values (UnbatchedWrite
+    # Error, as torch.func raises). Against torch.func, or under vmap a loop over it.
+    f = _write_through_a_transposed_view_then_abs
+    x = torch.tensor([[1.2328], [0.4]], dtype=DTYPE)
+    if chain[0] == "vmap":
+        expected = torch.stack([compose(ft, chain[1:], f)(example) for example in x])
+        torch.testing.assert_close(compose(tl, chain, f)(x), expected)
+    else:
+        torch.testing.assert_close(compose(tl, chain, f)(x[0]), compose(ft, chain, f)(x[0]))
+
+
 # In-place writes under forward AD and vmap (found by a hypothesis sweep of in-place ops).
 def _write_from_input(x):
     y = x.clone()

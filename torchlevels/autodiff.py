@@ -73,6 +73,7 @@ from torchlevels.batching.shortcuts import no_shortcuts
 from torchlevels.inner_duals import primals, without_tangent
 from torchlevels.jvp_over_vmap import pointwise_on_batches
 from torchlevels.lifted import lift_written
+from torchlevels.vmap import BatchLevel, wrap_batched
 from torchlevels.zero_tangents import (
     NUMBER_TYPES,
     SCALAR_OVERLOADS,
@@ -503,21 +504,28 @@ def _real_zeros_in_backward(op, args: tuple, kwargs: dict) -> torch.Tensor:
     autograd's record of the op on the level's tensors as its history, and the level's
     tensors would escape in it (``vmap(grad(grad(f)))`` with autograd on top).
 
-    With grad levels alone live, the zeros are constants of them (of the levels around
-    the one whose backward pass runs): plain, they would be captured tensors to those
-    levels, which refuse writes of their values into them, and the backward of an
-    in-place write through a view writes into a copy of the gradient. Where a jvp level
-    is live, the request may come from its forward AD run beneath the levels, which
-    wants plain zeros; vmap levels around leave them unbatched, as torch.func does."""
+    The zeros are tensors of the levels around the one whose backward pass runs: constants
+    of the grad and jvp levels, the same for every example of the vmap levels. Plain, they
+    would be captured tensors to those levels, and the backward of an in-place write
+    through a view writes into a copy of the gradient (``CopySlices``), which would then
+    be a plain tensor written with a level's values: refused, or (for a vmap level's) an
+    unbatched tensor written with batched values, where torch.func raises. A request from
+    forward AD run beneath a jvp level (a forward formula's zero tangent, while a backward
+    pass computes on that level's tensors) gets plain zeros."""
     if torch._C._current_autograd_node() is None:  # forward AD's zero tangents stay
         return predispatch.passed_by(op, args, kwargs)
     zeros = torch.zeros(*args, **{k: v for k, v in kwargs.items() if v is not None})
-    levels = autodiff_classes(innermost())
-    if all(isinstance(cls._level, GradLevel) for cls in levels):
-        for cls in reversed(levels):  # outermost first
-            if cls._level.in_backward:
-                break  # the pass computes on the tensors of the levels outside this one
+    classes = list(enclosing_classes(innermost()))
+    if any(isinstance(cls._level, JvpLevel) and cls._level.running for cls in classes):
+        return zeros
+    for cls in reversed(classes):  # outermost first
+        level = cls._level
+        if isinstance(level, GradLevel) and level.in_backward:
+            break  # the pass computes on the tensors of the levels outside this one
+        if isinstance(level, (GradLevel, JvpLevel)):
             zeros = constant(cls, zeros)
+        elif isinstance(level, BatchLevel):
+            zeros = wrap_batched(cls, zeros.expand(level.batch_size, *zeros.shape), 0)
     return zeros
 
 
@@ -547,6 +555,8 @@ class JvpLevel(Level):
         # how many jvp levels entered with forward grad off are live inside: meanwhile
         # our ops give no tangents (see paused_outside)
         self.paused = 0
+        # how many of its ops run forward AD beneath it now (see _real_zeros_in_backward)
+        self.running = 0
 
     def wrap(self, cls, primal: torch.Tensor, tangent: torch.Tensor) -> torch.Tensor:
         """``J(primal, tangent)``: a tensor of this level."""
@@ -617,6 +627,13 @@ class JvpLevel(Level):
 
     def _on_duals(self, cls, func, args, kwargs, inplace: bool, level: int):
         """``func`` run on forward AD's dual tensors of ``args``."""
+        self.running += 1
+        try:
+            return self._run_on_duals(cls, func, args, kwargs, inplace, level)
+        finally:
+            self.running -= 1
+
+    def _run_on_duals(self, cls, func, args, kwargs, inplace: bool, level: int):
         nested = self.hosts_jvp
         if not (nested or inplace):
             pair = pointwise_on_batches(cls, func, args, kwargs, level)
