@@ -320,10 +320,10 @@ def inplace_resize(func, args, dims, kwargs):
             f"vmap: {func} with memory_format={memory_format} is not supported: only the "
             "contiguous format can be batched. Resize, then call .contiguous(memory_format=...)."
         )
-    if tuple(size) == logical_shape(x, dims[0]):
-        return x, dims[0]  # eager changes nothing, not even the strides
     if x.requires_grad:
         raise RuntimeError("cannot resize variables that require grad")
+    if tuple(size) == logical_shape(x, dims[0]):
+        return x, dims[0]  # eager changes nothing, not even the strides
     x = to_front(x, dims[0])
     b, n, start = x.shape[0], math.prod(size), x.storage_offset()
     out = x.new_empty((b, *size))
