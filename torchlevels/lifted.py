@@ -167,7 +167,7 @@ def _views_held(base: torch.Tensor, views: list[torch.Tensor]) -> list[torch.Ten
     known = [base, *views]
     found: list[torch.Tensor] = []
     for generation in range(3):
-        if _storage_use_count(base.untyped_storage()._cdata) <= 2 + len(views) + len(found):
+        if not _shared_memory_refusal(base, 2 + len(views) + len(found)):
             break
         found += [t for t in gc.get_objects(generation)
                   if type(t) is torch.Tensor and t._is_view() and t._base is base

@@ -326,22 +326,22 @@ def inplace_resize(func, args, dims, kwargs):
         return x, dims[0]  # eager changes nothing, not even the strides
     x = to_front(x, dims[0])
     b, n, start = x.shape[0], math.prod(size), x.storage_offset()
-    out = x.new_empty((b, *size))
     if b == 0:
-        return out, 0
+        return x.new_empty((0, *size)), 0
     step = x.stride(0) if b > 1 else 0
     if type(x) is torch.Tensor and (b == 1 or step >= span(x.shape[1:], x.stride()[1:])):
         # each example has a block of storage: the memory up to the next one's
         last = x.untyped_storage().nbytes() // x.element_size() - start - (b - 1) * step
         block = max(0, min(step, last) if b > 1 else last)
         if block >= n:
-            return x.as_strided((b, *size), (step, *out.stride()[1:]), start), 0
-        out.view(b, n)[:, :block] = x.as_strided((b, block), (step, 1), start)
-        return out, 0
-    # a level's tensor (no storage of its own), or interleaved examples
-    order = sorted(range(1, x.dim()), key=lambda d: -x.stride(d))  # memory order
-    kept = min(n, math.prod(x.shape[1:]))
-    out.view(b, n)[:, :kept] = x.permute(0, *order).reshape(b, -1)[:, :kept]
+            layout = torch.empty(size, device="meta").stride()
+            return x.as_strided((b, *size), (step, *layout), start), 0
+        kept = x.as_strided((b, block), (step, 1), start)
+    else:  # a level's tensor (no storage of its own), or interleaved examples
+        order = sorted(range(1, x.dim()), key=lambda d: -x.stride(d))  # memory order
+        kept = x.permute(0, *order).reshape(b, -1)[:, :n]
+    out = x.new_empty((b, *size))
+    out.view(b, n)[:, :kept.shape[1]] = kept
     return out, 0
 
 
@@ -352,5 +352,5 @@ def inplace_resize_as(func, args, dims, kwargs):
     x, template = args[:2]
     size = logical_shape(template, dims[1])
     if dims[0] is None:
-        return func(x, torch.empty(size, device="meta"), **kwargs), None
+        return aten.resize_.default(x, size, **kwargs), None
     return inplace_resize(aten.resize_.default, (x, size), dims[:1], kwargs)
