@@ -42,6 +42,8 @@ UNARY: dict[str, Callable] = {
     "square": lambda x: x * x,
     "abs": torch.abs,
     "detach_mul": lambda x: x * x.detach().cos(),  # a gradient stop inside
+    # complex intermediates: their backward formulas multiply by conj views
+    "complex_mul": lambda x: (torch.complex(x, x.sin()) * torch.complex(x.cos(), x)).real,
 }
 BINARY: dict[str, Callable] = {
     "mul": torch.mul,

@@ -1998,7 +1998,7 @@ def test_autodiff_and_transforms_docstrings_run():
                    sys.modules["torchlevels._level"], sys.modules["torchlevels._torch_compile"],
                    torchlevels.autograd_grad, sys.modules["torchlevels.l1_loss_weight"],
                    sys.modules["torchlevels.data_assignment"],
-                   sys.modules["torchlevels.inner_duals"],
+                   sys.modules["torchlevels.inner_duals"], sys.modules["torchlevels.math_bits"],
                    sys.modules["torchlevels.cond"], sys.modules["torchlevels._process_state"],
                    *tools):
         result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)

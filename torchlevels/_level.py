@@ -22,6 +22,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._pytree import tree_map_only
 
+from torchlevels import math_bits
+
 # The class of the innermost live level, per thread and per context. Read only when a
 # new level class is made (to pick its parent) and by the random-factory hook.
 _innermost: contextvars.ContextVar[type[LevelTensor] | None] = contextvars.ContextVar(
@@ -732,6 +734,7 @@ def new_level_class(
     if unknown:
         raise TypeError(f"new_level_class: no tensor attribute {sorted(unknown)} to replace")
     parent = _innermost.get() or LevelTensor
+    math_bits.register()  # (a no-op once done)
     namespace = {"_level": level, "__module__": __name__, "__torch_function__": torch_function,
                  "_has_torch_function": torch_function is not _disabled_torch_function,
                  **_TENSOR_ATTRIBUTES, **tensor_attributes}

@@ -37,6 +37,7 @@ from torchlevels.batching.max_pool import max_pool
 from torchlevels.batching.predispatch import unintercepted
 from torchlevels.l1_loss_weight import l1_loss
 from torchlevels.lifted import WRITERS, writing
+from torchlevels.math_bits import tracked_views_resolved
 
 _disabled = torch._C._disabled_torch_function_impl
 _no_subclass_torch_function = torch._C.DisableTorchFunctionSubclass
@@ -78,12 +79,14 @@ def torch_function(cls, func, types, args=(), kwargs=None):
 def no_shortcuts(cls, func, types, args=(), kwargs=None):
     """The ``__torch_function__`` of a level with no shortcuts (a jvp level): a foreign
     subclass among the arguments answers as it would with no level; the rest goes on to
-    the dispatcher."""
+    the dispatcher, with the conj views autograd tracks resolved (see math_bits.py)."""
     for t in types:
         if t is not torch.Tensor and not issubclass(t, LevelTensor):
             return foreign_call(func, types, args, kwargs or _EMPTY)
     if func in WRITERS:  # a grad or jvp level may take in the plain tensor it writes
-        return writing(_to_the_dispatcher, func, args, types, kwargs)
+        rest, kwargs = tracked_views_resolved(args[1:], kwargs or _EMPTY)
+        return writing(_to_the_dispatcher, func, (args[0], *rest), types, kwargs)
+    args, kwargs = tracked_views_resolved(args, kwargs or _EMPTY)
     return _to_the_dispatcher(func, args, types, kwargs)
 
 
