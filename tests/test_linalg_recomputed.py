@@ -7,6 +7,7 @@ import pytest
 import torch
 from vmap_reference import seeded
 
+import torchlevels as tl
 from torchlevels import linalg_recomputed
 
 aten = torch.ops.aten
@@ -78,3 +79,56 @@ def test_householder_product_matches_the_aten_op(dtype, shape, reflections):
     tau = torch.randn(*shape[:-2], reflections, dtype=dtype, generator=gen)
     torch.testing.assert_close(linalg_recomputed.householder_product(v, tau),
                                torch.linalg.householder_product(v, tau))
+
+
+_MATRIX = torch.randn(3, 3, dtype=torch.float64, generator=seeded(9)) + 3 * torch.eye(3)
+_X = torch.randn(3, dtype=torch.float64, generator=seeded(10))
+_W = torch.randn(3, dtype=torch.float64, generator=seeded(11))
+_SOLVES = {
+    "triangular_solve": lambda a, x: torch.triangular_solve(x.unsqueeze(1), a).solution[:, 0],
+    "linalg.solve": torch.linalg.solve,
+    "linalg.solve_triangular": lambda a, x: torch.linalg.solve_triangular(
+        a, x.unsqueeze(1), upper=True)[:, 0],
+}
+
+
+def _second_derivative(transform: str, f, x: torch.Tensor, lib=None) -> torch.Tensor:
+    """A second derivative of scalar ``f`` at ``x`` along fixed directions: with ``lib``
+    (torchlevels) as its transforms give it, else with plain autograd's double backward."""
+    v1, v2 = x.cos(), x.sin()
+    if lib is not None:
+        if transform == "hessian":
+            return lib.hessian(f)(x)
+        if transform == "jvp(grad)":
+            return lib.jvp(lib.grad(f), (x,), (v1,))[1]
+        if transform == "grad(grad)":
+            return lib.grad(lambda y: lib.grad(f)(y).cos().sum())(x)
+        return lib.jvp(lambda y: lib.jvp(f, (y,), (v1,))[1], (x,), (v2,))[1]
+    if transform == "hessian":
+        return torch.autograd.functional.hessian(f, x, create_graph=True)
+    x = x.clone().requires_grad_()
+    (g,) = torch.autograd.grad(f(x), x, create_graph=True)
+    if transform == "jvp(grad)":  # H v1 (H is symmetric)
+        return torch.autograd.grad(g, x, v1, create_graph=True)[0]
+    if transform == "grad(grad)":
+        return torch.autograd.grad(g.cos().sum(), x, create_graph=True)[0]
+    return torch.autograd.grad((g * v1).sum(), x, create_graph=True)[0] @ v2  # jvp(jvp)
+
+
+@pytest.mark.filterwarnings("ignore:torch.triangular_solve is deprecated")
+@pytest.mark.parametrize("transform", ["hessian", "jvp(grad)", "grad(grad)", "jvp(jvp)"])
+@pytest.mark.parametrize("solve", list(_SOLVES))
+def test_a_captured_matrix_autograd_tracks_keeps_second_derivatives(solve, transform):
+    """A second derivative in ``x`` of a solve with a matrix the function captures, made
+    from ``w`` that autograd outside tracks: the derivative and its gradient in ``w``
+    match plain autograd's. (The decomposition a level runs reads the matrix with plain
+    ops, which autograd must record; a jvp level's tangent formula reads the matrix too.
+    torch.func's linalg.solve misses the gradient in ``w`` here.)"""
+    def run(lib):
+        w = _W.clone().requires_grad_()
+        matrix = _MATRIX * w.exp()[:, None]
+        out = _second_derivative(transform, lambda x: _SOLVES[solve](matrix, x).sin().sum(),
+                                 _X, lib)
+        return out.detach(), torch.autograd.grad((out * out).sum(), w)[0]
+
+    torch.testing.assert_close(run(tl), run(None))

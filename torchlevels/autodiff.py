@@ -22,6 +22,7 @@ respected because grad mode is never switched on or off behind the user's back.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -92,6 +93,7 @@ _DIFFERENTIABLE_KERNEL = {
 
 # PyTorch's own requires_grad_(), for a level's leaves: a grad level's tensors answer theirs
 _REQUIRES_GRAD_ = torch._C.TensorBase.requires_grad_
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def shallow_copy(t: Any) -> Any:
@@ -245,7 +247,7 @@ class GradLevel(Level):
                 bool(kwargs) and _captures_tracked(cls, kwargs.values()))
         decomposed = _DECOMPOSED.get(func)
         if decomposed is not None and decomposed[0](cls, (*args, *kwargs.values())):
-            return decomposed[1](*args, **kwargs)
+            return _decomposition_run(decomposed[1], args, kwargs)
         inner_args = [unwrap_own(a, cls) for a in args]
         inner_kwargs = {k: unwrap_own(v, cls) for k, v in kwargs.items()} if kwargs else {}
         if self.hosts_jvp and fwAD._current_level >= 0:
@@ -595,12 +597,12 @@ class JvpLevel(Level):
         if view is not None:
             return _jvp_inplace_view(cls, view, args, kwargs)
         if func in _DECOMPOSED_UNDER_AUTOGRAD and _tracked_by_autograd(cls, args):
-            out = _DECOMPOSED_UNDER_AUTOGRAD[func](*args, **kwargs)
+            out = _decomposition_run(_DECOMPOSED_UNDER_AUTOGRAD[func], args, kwargs)
             if out is not NotImplemented:
                 return out
         recomputed = _DIFFERENTIABLE_FORWARD.get(func)
         if recomputed is not None and _differentiated_outside(cls, args):
-            out = recomputed(cls, *args, **kwargs)
+            out = _decomposition_run(functools.partial(recomputed, cls), args, kwargs)
             if out is not NotImplemented:
                 return out
         if _shapes_only(args):
@@ -1057,6 +1059,17 @@ _DECOMPOSED_UNDER_AUTOGRAD = {
 }
 
 
+def _decomposition_run(decomposition: Callable, args: tuple, kwargs: dict) -> Any:
+    """``decomposition(*args, **kwargs)``, run inside a level's ``__torch_dispatch__``.
+    Its pieces on plain tensors alone reach no level (``A.triu()`` of a captured matrix),
+    so where autograd tracks a plain argument it records them here, or the result would
+    lose the graph to it (as vmap runs a decomposition)."""
+    if any(type(a) in _PLAIN and tracked_outside(a) for a in (*args, *kwargs.values())):
+        with autograd_on():
+            return decomposition(*args, **kwargs)
+    return decomposition(*args, **kwargs)
+
+
 def _on_our_tensors(cls, args: tuple) -> bool:
     """Whether an argument is a tensor of grad level ``cls``."""
     return any(type(a) is cls for a in args)
@@ -1204,8 +1217,10 @@ _DIFFERENTIABLE_FORWARD = {
 
 def _differentiated_outside(cls, args: tuple) -> bool:
     """Whether a level or autograd outside jvp level ``cls`` may differentiate an
-    argument's primal or tangent."""
-    return any(type(a) is cls and differentiated(a._inner, a._tangent) for a in args)
+    argument: the primal or tangent of one of ours, or another tensor (a captured matrix
+    that autograd tracks, which the tangent's formula reads)."""
+    return any(differentiated(a._inner, a._tangent) if type(a) is cls else
+               isinstance(a, torch.Tensor) and differentiated(a) for a in args)
 
 
 def _tracked_by_autograd(cls, args: tuple) -> bool:
