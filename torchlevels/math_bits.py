@@ -60,7 +60,13 @@ def tracked_views_resolved(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """``args`` and ``kwargs`` of a call made on a level's tensors, with each plain
     tensor autograd tracks that is a conj or neg view (among them or in a list among
     them) resolved into a copy, with autograd recording. Returns them as they are when
-    there is none (the usual case: one pass over them)."""
+    there is none (the usual case: one pass over them).
+
+    >>> z = torch.tensor([1 + 2j], requires_grad=True)
+    >>> (view,), _ = tracked_views_resolved((z.conj(),), {})
+    >>> view.is_conj(), view.grad_fn is not None
+    (False, True)
+    """
     for a in (*args, *kwargs.values()):
         if _tracked_view(a) or (type(a) in (list, tuple) and any(map(_tracked_view, a))):
             return _resolved(args), {k: _resolved(v) for k, v in kwargs.items()}
@@ -79,6 +85,8 @@ def register() -> None:
     """The kernels at the Conjugate and Negative keys of the formula ops (once per
     process; the first level made calls this)."""
     global _registered, _library
+    if _registered:  # (every transform call asks: no lock then)
+        return
     with _lock:
         if _registered:
             return
