@@ -1698,6 +1698,8 @@ JVP_THEN_BACKWARD = {
     "1-norm": lambda x: torch.linalg.vector_norm(x, 1, 1),
     "cross_entropy": lambda x: F.cross_entropy(x, torch.tensor([0, 2])),
     "attention": lambda x: F.scaled_dot_product_attention(x[None], x[None], x[None]),
+    "logcumsumexp": lambda x: x.logcumsumexp(1),
+    "complex logcumsumexp": lambda x: torch.view_as_real(torch.complex(x, x.cos()).logcumsumexp(0)),
 }
 
 

@@ -1186,6 +1186,23 @@ def _batch_norm_with_update_recomputed(cls, x, weight, bias, running_mean, runni
             reserve)
 
 
+def _logcumsumexp_recomputed(cls, x, dim):
+    """logcumsumexp, its tangent by PyTorch's formula run out of place. The formula writes
+    the exponentials it computed in place when primal and tangent are plain tensors, as a
+    jvp level's are, and autograd outside saved them: differentiating the tangent then
+    raises, in PyTorch too (torch.func's wrappers take the formula's out-of-place branch)."""
+    if type(x) is not cls:
+        return NotImplemented
+    primal, tangent = x._inner, _view_tangent(x)
+    with autograd_on():
+        out = torch.logcumsumexp(primal, dim)
+        if tangent is None:
+            return _wrap(cls, out)
+        exp = primal.exp() if primal.is_complex() else (
+            primal - torch.max(primal, dim, keepdim=True).values).exp()
+        return _wrap(cls, out, (exp * tangent).cumsum(dim) / (exp.cumsum(dim) + 1e-13))
+
+
 def _ignoring_level(decomposition):
     """``decomposition`` called as :data:`_DIFFERENTIABLE_FORWARD`'s entries are, with the
     level class first."""
@@ -1197,7 +1214,8 @@ def _ignoring_level(decomposition):
 # taken of the tangent (jacfwd(jacfwd), jacrev(jacfwd)) misses how they depend on the
 # input, in PyTorch too (pytorch/pytorch#196699, #196700). Linalg ops' solve with LU
 # factors saved as constants and the like (linalg_recomputed.py); glu's runs glu_jvp, an
-# op with no derivative. Where a level or autograd outside differentiates an argument,
+# op with no derivative; logcumsumexp's writes what autograd saved in place. Where a
+# level or autograd outside differentiates an argument,
 # they run as decompositions whose tangents can be: op -> fn(level class, *args,
 # **kwargs), which gives NotImplemented where the op's own formula is right.
 _DIFFERENTIABLE_FORWARD = {
@@ -1208,6 +1226,7 @@ _DIFFERENTIABLE_FORWARD = {
         lambda cls, x, weight, bias, training, momentum, eps: _batch_norm_recomputed(
             cls, x, weight, bias, None, None, training, momentum, eps),
     torch.ops.aten._batch_norm_with_update.default: _batch_norm_with_update_recomputed,
+    torch.ops.aten.logcumsumexp.default: _logcumsumexp_recomputed,
     **{op: _ignoring_level(decomposition) for op, decomposition in (
         *linalg_recomputed.RECOMPUTED.items(),
         (torch.ops.aten.glu.default, torch._decomp.decomposition_table[torch.ops.aten.glu.default]),
