@@ -69,7 +69,7 @@ def tracked_views_resolved(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """
     for a in (*args, *kwargs.values()):
         if _tracked_view(a) or (type(a) in (list, tuple) and any(map(_tracked_view, a))):
-            return _resolved(args), {k: _resolved(v) for k, v in kwargs.items()}
+            return _resolved(args), _resolved_kwargs(kwargs)
     return args, kwargs
 
 
