@@ -56,21 +56,31 @@ def _tracked_view(a: Any) -> bool:
     return type(a) in _PLAIN and a.requires_grad and (a.is_conj() or a.is_neg())
 
 
-def tracked_views_resolved(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+def tracked_views_resolved(args: tuple, kwargs: dict, first_written: bool = False
+                           ) -> tuple[tuple, dict]:
     """``args`` and ``kwargs`` of a call made on a level's tensors, with each plain
     tensor autograd tracks that is a conj or neg view (among them or in a list among
-    them) resolved into a copy, with autograd recording. Returns them as they are when
-    there is none (the usual case: one pass over them).
+    them) resolved into a copy, with autograd recording; with ``first_written``, the
+    first argument (which an in-place call writes) stays itself. Returns them as they
+    are when there is none (the usual case: one pass over them).
 
     >>> z = torch.tensor([1 + 2j], requires_grad=True)
     >>> (view,), _ = tracked_views_resolved((z.conj(),), {})
     >>> view.is_conj(), view.grad_fn is not None
     (False, True)
     """
-    for a in (*args, *kwargs.values()):
+    read = args[1:] if first_written else args
+    if not (_any_tracked_view(read) or (kwargs and _any_tracked_view(kwargs.values()))):
+        return args, kwargs
+    resolved = _resolved(read)
+    return (args[:1] + resolved if first_written else resolved), _resolved_kwargs(kwargs)
+
+
+def _any_tracked_view(items: Any) -> bool:
+    for a in items:
         if _tracked_view(a) or (type(a) in (list, tuple) and any(map(_tracked_view, a))):
-            return _resolved(args), _resolved_kwargs(kwargs)
-    return args, kwargs
+            return True
+    return False
 
 
 def _resolved(a: Any) -> Any:

@@ -83,10 +83,10 @@ def no_shortcuts(cls, func, types, args=(), kwargs=None):
     for t in types:
         if t is not torch.Tensor and not issubclass(t, LevelTensor):
             return foreign_call(func, types, args, kwargs or _EMPTY)
-    if func in WRITERS:  # a grad or jvp level may take in the plain tensor it writes
-        rest, kwargs = tracked_views_resolved(args[1:], kwargs or _EMPTY)
-        return writing(_to_the_dispatcher, func, (args[0], *rest), types, kwargs)
-    args, kwargs = tracked_views_resolved(args, kwargs or _EMPTY)
+    written = func in WRITERS
+    args, kwargs = tracked_views_resolved(args, kwargs or _EMPTY, written)
+    if written:  # a grad or jvp level may take in the plain tensor it writes
+        return writing(_to_the_dispatcher, func, args, types, kwargs)
     return _to_the_dispatcher(func, args, types, kwargs)
 
 
