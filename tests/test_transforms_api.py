@@ -2001,6 +2001,7 @@ def test_autodiff_and_transforms_docstrings_run():
                    torchlevels.autograd_grad, sys.modules["torchlevels.l1_loss_weight"],
                    sys.modules["torchlevels.data_assignment"],
                    sys.modules["torchlevels.inner_duals"], sys.modules["torchlevels.math_bits"],
+                   sys.modules["torchlevels._plain"],
                    sys.modules["torchlevels.cond"], sys.modules["torchlevels._process_state"],
                    *tools):
         result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)

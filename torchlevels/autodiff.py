@@ -57,6 +57,7 @@ from torchlevels._level import (
     wrap_inner,
     wraps,
 )
+from torchlevels._plain import PLAIN
 from torchlevels._process_state import dual_level as _dual_level
 from torchlevels._process_state import mha_fastpath_off, own_dual_level
 from torchlevels.batching import predispatch
@@ -93,7 +94,6 @@ _DIFFERENTIABLE_KERNEL = {
 
 # PyTorch's own requires_grad_(), for a level's leaves: a grad level's tensors answer theirs
 _REQUIRES_GRAD_ = torch._C.TensorBase.requires_grad_
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def shallow_copy(t: Any) -> Any:
@@ -1064,7 +1064,7 @@ def _decomposition_run(decomposition: Callable, args: tuple, kwargs: dict) -> An
     Its pieces on plain tensors alone reach no level (``A.triu()`` of a captured matrix),
     so where autograd tracks a plain argument it records them here, or the result would
     lose the graph to it (as vmap runs a decomposition)."""
-    if any(type(a) in _PLAIN and tracked_outside(a) for a in (*args, *kwargs.values())):
+    if any(type(a) in PLAIN and tracked_outside(a) for a in (*args, *kwargs.values())):
         with autograd_on():
             return decomposition(*args, **kwargs)
     return decomposition(*args, **kwargs)

@@ -30,6 +30,7 @@ import torch.autograd.forward_ad as forward_ad
 import torch.nn.functional as F
 
 from torchlevels._level import LevelTensor, requires_grad_flag
+from torchlevels._plain import PLAIN
 from torchlevels.batching.shortcuts import (
     ACTIVATIONS,
     POINTWISE_DUNDERS,
@@ -40,7 +41,6 @@ from torchlevels.batching.shortcuts import (
 )
 
 _no_subclass_torch_function = torch._C.DisableTorchFunctionSubclass
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
 _NUMBERS = (int, float, bool)
 _EMPTY: dict = {}
 
@@ -103,7 +103,7 @@ def _on_inner(cls, func, args, kwargs) -> Any:
                 return None  # autograd outside records on the wrapper itself
             a = a._inner
             t = type(a)
-            if t in _PLAIN or _tool_level(t):  # plain, or a tool's
+            if t in PLAIN or _tool_level(t):  # plain, or a tool's
                 found[1] = found[1] or requires_grad_flag(a)
             else:
                 found[0] = True
@@ -165,11 +165,11 @@ def _inner_of(cls, a: Any, found: list) -> Any:
         if all(i is j for i, j in zip(items, a)):
             return a  # a torch.Size stays one
         return items if t is list else tuple(items)  # a named tuple (aminmax's) as a tuple
-    elif not (t in _PLAIN or (isinstance(a, LevelTensor) and issubclass(cls, t))):
+    elif not (t in PLAIN or (isinstance(a, LevelTensor) and issubclass(cls, t))):
         if isinstance(a, torch.Tensor):
             return _DECLINE  # of a deeper or an unrelated level, or a foreign subclass
         return a  # a number, a dtype, None...
-    if t in _PLAIN or _tool_level(t):  # an inner tensor, one unbatched here (a captured
+    if t in PLAIN or _tool_level(t):  # an inner tensor, one unbatched here (a captured
         found[1] = found[1] or requires_grad_flag(a)  # tensor), or a tool's
     else:
         found[0] = True

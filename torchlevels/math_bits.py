@@ -39,7 +39,8 @@ from typing import Any
 
 import torch
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
+from torchlevels._plain import PLAIN
+
 # the ops backward formulas run on a conj view and a gradient (a level's tensor under a
 # transform) that reach the Conjugate key: mul and div (pointwise ops, products and
 # quotients), mv (addmv, addr), linalg_cross's and triangular_solve's own. Composite ops
@@ -53,7 +54,7 @@ _library: torch.library.Library | None = None
 
 def _tracked_view(a: Any) -> bool:
     """Whether ``a`` is a plain tensor that autograd tracks, with a conj or neg bit."""
-    return type(a) in _PLAIN and a.requires_grad and (a.is_conj() or a.is_neg())
+    return type(a) in PLAIN and a.requires_grad and (a.is_conj() or a.is_neg())
 
 
 def tracked_views_resolved(args: tuple, kwargs: dict, first_written: bool = False

@@ -32,6 +32,7 @@ import torch.autograd.forward_ad as forward_ad
 import torch.nn.functional as F
 
 from torchlevels._level import LevelTensor, memory_of, new_wrapper
+from torchlevels._plain import PLAIN
 from torchlevels.batching.dims import pad_to_rank, per_example
 from torchlevels.batching.max_pool import max_pool
 from torchlevels.batching.predispatch import unintercepted
@@ -42,7 +43,6 @@ from torchlevels.math_bits import tracked_views_resolved
 _disabled = torch._C._disabled_torch_function_impl
 _no_subclass_torch_function = torch._C.DisableTorchFunctionSubclass
 _enable_torch_function = torch._C._EnableTorchFunction
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
 _NUMBERS = (int, float, bool, complex)
 
 Shortcut = Callable[[type, Callable, tuple, dict], Any]  # the result, or None to decline
@@ -219,13 +219,13 @@ def _passable(a: Any) -> bool:
     """Whether tensor ``a``, without grad, is plain or of an enclosing level (whose own
     shortcuts or rules then take the call, or, for a tool, its ``__torch_dispatch__``, so
     it sees the ops that run without it)."""
-    return (type(a) in _PLAIN or isinstance(a, LevelTensor)) and not a.requires_grad
+    return (type(a) in PLAIN or isinstance(a, LevelTensor)) and not a.requires_grad
 
 
 def _unbatched(cls, a: Any) -> bool:
     """Whether tensor ``a`` is unbatched at level ``cls`` and can be handed on as is."""
     t = type(a)
-    return _passable(a) and (t in _PLAIN or (t is not cls and issubclass(cls, t)))
+    return _passable(a) and (t in PLAIN or (t is not cls and issubclass(cls, t)))
 
 
 def _call(func, args, kwargs):
@@ -277,10 +277,10 @@ def pointwise(cls, func, args, kwargs):
             phys.append(inner)
         elif t in _NUMBERS:
             phys.append(a)
-        elif t in _PLAIN or (isinstance(a, LevelTensor) and _unbatched(cls, a)):
+        elif t in PLAIN or (isinstance(a, LevelTensor) and _unbatched(cls, a)):
             if a.requires_grad:
                 return None
-            nested = nested or t not in _PLAIN
+            nested = nested or t not in PLAIN
             plain_rank = max(plain_rank, a.dim())
             phys.append(a)
         else:
@@ -748,7 +748,7 @@ def like(cls, func, args, kwargs):
             torch.preserve_format) or not _unbatched_rest(cls, args, kwargs):
         return None
     inner = a._inner
-    if not (type(inner) in _PLAIN or isinstance(inner, LevelTensor)):
+    if not (type(inner) in PLAIN or isinstance(inner, LevelTensor)):
         return None
     return wrap_front(cls, _call(func, (inner, *args[1:]), kwargs))
 
