@@ -393,3 +393,60 @@ def test_compile_replays_the_grad_mode_each_op_ran_in(backend):
 
         compiled = tl.compile(inside, backend=backend)
         assert [compiled(x).requires_grad for _ in range(3)] == [True] * 3
+
+
+_C = torch.tensor([0.3, 0.5, -0.2], dtype=torch.float64, requires_grad=True)  # captured
+
+
+def _double_backward(x):  # PyTorch's backward of exp and logsumexp reads their outputs
+    y = (x * _C).exp().sum() + x.logsumexp(0)
+    return torch.autograd.grad(y, x, create_graph=True)[0] * x.sin()
+
+
+def _data_reads(x):  # `.data` is a shallow copy as a saved output is, but stops history
+    y = x.exp()
+    return y * y.data + x.data * x
+
+
+def _detaches(x):
+    y = x.exp()
+    return y * y.detach() + torch.tanh(x).detach() * x
+
+
+def _per_example_grads(lib):
+    def f(x):
+        return lib.vmap(lib.grad(lambda v: (v * _C).sigmoid().sum() * v.logsumexp(0)))(
+            torch.stack([x, x.cos()]))
+    return f
+
+
+def _grads(lib):
+    return lib.grad(lambda v: (v * _C).abs().logsumexp(0))
+
+
+@pytest.mark.parametrize("name", ["double backward", ".data", ".detach()", "grad", "vmap(grad)"])
+def test_autograd_outside_a_replay_differentiates_as_outside_eager(name):
+    """Autograd's saved outputs, unpacked in a backward pass, keep the output's history;
+    make_fx records them as detaches, which a replay would cut (a wrong gradient of a
+    gradient outside). `.data` and `.detach()` do cut it."""
+    f, eager = {
+        "double backward": (_double_backward, _double_backward),
+        ".data": (_data_reads, _data_reads),
+        ".detach()": (_detaches, _detaches),
+        "grad": (_grads(tl), _grads(tf)),
+        "vmap(grad)": (_per_example_grads(tl), _per_example_grads(tf)),
+    }[name]
+    x0 = torch.tensor([1.2, -0.7, 0.4], dtype=torch.float64)
+
+    def grads(fn):
+        x = x0.clone().requires_grad_()
+        out = fn(x)
+        weights = torch.linspace(-1, 1, out.numel(), dtype=torch.float64).view(out.shape)
+        grads = torch.autograd.grad((out * weights).sum(), (x, _C), allow_unused=True)
+        return [torch.zeros_like(t) if g is None else g for g, t in zip(grads, (x, _C))]
+
+    expected = grads(eager)
+    compiled = tl.compile(f)
+    for _ in range(2):  # the trace, then a replay
+        assert_tree_close(grads(compiled), expected)
+    assert_tree_close(grads(lambda x: tl.trace(f)(x)(x)[0]), expected)

@@ -43,9 +43,12 @@ def _set_data(tensor: torch.Tensor, value: Any) -> None:
     pytorch_data.__set__(tensor, value)
 
 
+data_property = property(pytorch_data.__get__, _set_data, doc=pytorch_data.__doc__)
+
+
 def install() -> None:
     """Refuse a level's tensor as the value of ``t.data = value`` (done on import)."""
-    torch.Tensor.data = property(pytorch_data.__get__, _set_data, doc=pytorch_data.__doc__)
+    torch.Tensor.data = data_property
 
 
 install()

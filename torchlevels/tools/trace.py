@@ -24,7 +24,8 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from torchlevels._level import LevelTensor
+from torchlevels import data_assignment
+from torchlevels._level import _AUTOGRAD, LevelTensor, _key_excluded
 from torchlevels.tools.forwarding import wraps_function
 
 __all__ = ["DataDependentError", "compile", "trace"]
@@ -87,7 +88,7 @@ def _trace(func: Callable, args: tuple, kwargs: dict) -> tuple[GraphModule, Any,
 
     def flat_func(*tensor_args: torch.Tensor) -> list:
         nonlocal out_spec, outputs
-        _note_grad_mode(get_proxy_mode().tracer)
+        _note_modes(get_proxy_mode().tracer, calls)
         leaves = list(flat)
         for i, t in zip(tensors, tensor_args):
             leaves[i] = t
@@ -95,8 +96,9 @@ def _trace(func: Callable, args: tuple, kwargs: dict) -> tuple[GraphModule, Any,
         outputs, out_spec = tree_flatten(func(*a, **k))
         return outputs
 
+    calls = _TracedCalls(func)
     try:
-        with _RefuseValueReads(func):
+        with calls:
             gm = make_fx(flat_func)(*(flat[i] for i in tensors))
     except RuntimeError as e:
         if "data-dependent" not in str(e):
@@ -104,6 +106,7 @@ def _trace(func: Callable, args: tuple, kwargs: dict) -> tuple[GraphModule, Any,
         raise DataDependentError(_data_dependent(func, "aten._local_scalar_dense")) from e
     _check_no_python_values(gm, func)
     drop_aliases(gm)
+    _read_through_saved_outputs(gm)
     gm.graph.eliminate_dead_code()
     if _recorded_by_autograd(gm, [flat[i] for i in tensors]):
         _replay_grad_modes(gm.graph, torch.is_grad_enabled())
@@ -112,16 +115,22 @@ def _trace(func: Callable, args: tuple, kwargs: dict) -> tuple[GraphModule, Any,
 
 
 _GRAD_ENABLED = "torchlevels_grad_enabled"
+_SAVED_OUTPUT = "torchlevels_saved_output"
 
 
-def _note_grad_mode(tracer: Any) -> None:
+def _note_modes(tracer: Any, calls: _TracedCalls) -> None:
     """Make make_fx's ``tracer`` note on each node it makes whether grad mode was on when
-    the op ran: make_fx sees ops below autograd, and its graph would not hold that."""
+    the op ran, and on each ``detach`` whether autograd made it to save an output: make_fx
+    sees ops below autograd, and its graph would hold neither."""
     create_node = tracer.create_node
 
     def noting(*args: Any, **kwargs: Any) -> torch.fx.Node:
         node = create_node(*args, **kwargs)
         node.meta[_GRAD_ENABLED] = torch.is_grad_enabled()
+        if node.target is aten.detach.default:
+            # a detach called through the dispatcher passed autograd's kernel, which
+            # excluded autograd below it; autograd's own shallow copies did not
+            node.meta[_SAVED_OUTPUT] = not (_key_excluded(_AUTOGRAD) or calls.reading_data)
         return node
 
     tracer.create_node = noting
@@ -147,6 +156,22 @@ def _replay_grad_modes(graph: torch.fx.Graph, enabled: bool) -> None:
             current = mode
 
 
+def _read_through_saved_outputs(gm: GraphModule) -> None:
+    """Read through the ``detach`` nodes of autograd's saved outputs. Autograd saves an
+    output an op's derivative needs (``exp``'s, ``logsumexp``'s) as a shallow copy and
+    unpacks it in the backward pass as another, which make_fx records as two detaches; but
+    the tensor unpacked has the output's history, so autograd outside differentiates a
+    double backward through it (``grad`` of ``grad``, hessian-vector products). Read as
+    detaches, a replay of ``f`` would cut that history and give wrong derivatives."""
+    for node in list(gm.graph.nodes):
+        if node.meta.get(_SAVED_OUTPUT) and not any(
+            isinstance(u.target, torch._ops.OpOverload) and u.target._schema.is_mutable
+            for u in node.users
+        ):
+            node.replace_all_uses_with(node.args[0])
+            gm.graph.erase_node(node)
+
+
 def drop_aliases(gm: GraphModule) -> None:
     """Read through ``aten.alias`` nodes (forward AD makes one per dual tensor it packs or
     unpacks, half the nodes of a jvp's graph). An alias has its input's storage and
@@ -165,19 +190,32 @@ def drop_aliases(gm: GraphModule) -> None:
 _READS_VALUES = {aten._local_scalar_dense.default, aten.equal.default, aten.is_nonzero.default}
 
 
-class _RefuseValueReads(TorchFunctionMode):
-    """Raises on the reads of tensor values that run no aten op (``.tolist()``, ``.numpy()``):
-    make_fx, a dispatch mode, would not see them and the graph would hold the values read."""
+# `t.data`, torchlevels' and PyTorch's: a mode sees the getter of one of these
+_DATA = (data_assignment.data_property, data_assignment.pytorch_data)
+
+
+class _TracedCalls(TorchFunctionMode):
+    """What make_fx, a dispatch mode, cannot tell from the ops it sees: raises on the reads
+    of tensor values that run no aten op (``.tolist()``, ``.numpy()``), whose values the
+    graph would hold, and notes ``t.data`` reads, a shallow copy as autograd's saved
+    outputs are, but one that stops the history."""
 
     _READS = {torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.__array__}
 
     def __init__(self, func: Callable) -> None:
         super().__init__()
         self.func = func
+        self.reading_data = False
 
     def __torch_function__(self, f, types, args=(), kwargs=None):
         if f in self._READS:
             raise DataDependentError(_data_dependent(self.func, f"Tensor.{f.__name__}"))
+        if getattr(f, "__self__", None) in _DATA:  # t.data
+            self.reading_data, reading = True, self.reading_data
+            try:
+                return f(*args, **(kwargs or {}))
+            finally:
+                self.reading_data = reading
         return f(*args, **(kwargs or {}))
 
 
