@@ -147,6 +147,21 @@ def test_assignment_through_tensor_indices_matches_functorch_dim():
         torch.zeros(3, 4, 5)[i, idx] = a[i, idx, j]  # j is not in the left side
 
 
+def test_a_split_binds_a_dim_a_later_split_needs_as_in_functorch_dim():
+    """Splits bind sizes left to right: (a, b) makes b 1, so (b, c) can split the next dim."""
+    fdim = pytest.importorskip("functorch.dim")
+    x, v = torch.randn(2, 3, 3), torch.randn(3)
+    results = []
+    for lib in (fdim, torchlevels.dim):
+        a, b, c = lib.dims(3)
+        a.size = 2
+        read = x[(a, b), (b, c)]
+        written = torch.zeros(2, 3, 3)
+        written[(a, b), (b, c)] = v[c]
+        results.append((read.order(a, b, c), b.size, c.size, written))
+    assert_close(results[0], results[1])
+
+
 @pytest.mark.parametrize("shape, make_index", [
     # tensor indices separated only by a dim (an int in the loop model): adjacent
     ((2, 1, 1, 1), lambda d, t: (slice(None), t, d, t)),

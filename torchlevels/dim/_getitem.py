@@ -215,48 +215,51 @@ def _expand(items: list, ndim: int, shape: torch.Size) -> list:
 
 
 def _split(t: torch.Tensor, nb: int, items: list) -> tuple[torch.Tensor, list]:
-    """Unflatten the dims that tuples of dims split; sizes are bound or inferred."""
+    """Unflatten the dims that tuples of dims split; sizes are bound or inferred, left to
+    right (a split may bind a dim that a later one needs: ``x[(a, b), (b, c)]``)."""
     axes = []
     axis = nb
     for i in items:
         axes.append(axis)
         axis += i is not None
-    out: list = []
-    for i, axis in reversed(list(zip(items, axes))):
-        if not (isinstance(i, tuple) and i[0] is _SPLIT):
-            out.append(i)
-            continue
-        group = i[1]
-        for d in group:
-            if not isinstance(d, Dim):
-                raise TypeError(f"a split index holds only dims, got {type(d).__name__}")
-        for k, d in enumerate(group):
-            if find(tuple(group[:k]), d) >= 0:
-                raise DimensionBindError(f"dim {d} appears twice in the split {tuple(group)}")
-        total = t.shape[axis]
-        unbound = [d for d in group if not d.is_bound]
-        known = math.prod(d.size for d in group if d.is_bound)
-        if len(unbound) > 1:
-            raise DimensionBindError(
-                f"cannot infer the sizes of {tuple(unbound)} when splitting a dim of size "
-                f"{total}: at most one dim of a split may be unbound; set the others' .size"
-            )
-        if unbound:
-            if known == 0 or total % known:
-                raise DimensionBindError(
-                    f"a dim of size {total} cannot be split into {tuple(group)}: the bound "
-                    f"sizes multiply to {known}, which does not divide {total}"
-                )
-            unbound[0].size = total // known
-        elif known != total:
-            raise DimensionBindError(
-                f"dims {tuple(group)} of sizes {tuple(d.size for d in group)} (product "
-                f"{known}) cannot split a dim of size {total}"
-            )
+    splits = [(i[1], axis) for i, axis in zip(items, axes)
+              if isinstance(i, tuple) and i[0] is _SPLIT]
+    for group, axis in splits:
+        _bind_split(group, t.shape[axis])
+    for group, axis in reversed(splits):  # (from the right: the axes before stay put)
         t = t.unflatten(axis, [d.size for d in group])
-        out.extend(reversed(group))
-    out.reverse()
+    out = [e for i in items
+           for e in (i[1] if isinstance(i, tuple) and i[0] is _SPLIT else (i,))]
     return t, out
+
+
+def _bind_split(group: tuple, total: int) -> None:
+    """Check the dims that split a dim of size ``total`` and infer the one unbound."""
+    for d in group:
+        if not isinstance(d, Dim):
+            raise TypeError(f"a split index holds only dims, got {type(d).__name__}")
+    for k, d in enumerate(group):
+        if find(tuple(group[:k]), d) >= 0:
+            raise DimensionBindError(f"dim {d} appears twice in the split {tuple(group)}")
+    unbound = [d for d in group if not d.is_bound]
+    known = math.prod(d.size for d in group if d.is_bound)
+    if len(unbound) > 1:
+        raise DimensionBindError(
+            f"cannot infer the sizes of {tuple(unbound)} when splitting a dim of size "
+            f"{total}: at most one dim of a split may be unbound; set the others' .size"
+        )
+    if unbound:
+        if known == 0 or total % known:
+            raise DimensionBindError(
+                f"a dim of size {total} cannot be split into {tuple(group)}: the bound "
+                f"sizes multiply to {known}, which does not divide {total}"
+            )
+        unbound[0].size = total // known
+    elif known != total:
+        raise DimensionBindError(
+            f"dims {tuple(group)} of sizes {tuple(d.size for d in group)} (product "
+            f"{known}) cannot split a dim of size {total}"
+        )
 
 
 # -- views --------------------------------------------------------------------------------
