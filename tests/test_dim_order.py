@@ -229,3 +229,16 @@ def test_a_contraction_in_order_is_the_matmul_itself():
     r = (P[i, b, k] * Q[k, j, b]).sum(k)
     assert r.dims == (i, b, j)
     assert_close(r.order(b, i, j), torch.bmm(P.permute(1, 0, 2), Q.permute(2, 0, 1)))
+
+
+def test_dims_lie_ahead_of_positional_dims_where_functorch_dim_interleaves_them():
+    """The one layout that differs (README): functorch.dim keeps a dim bound after a
+    positional dim there; here first-class dims come first. Named orders agree."""
+    x, idx = torch.randn(3, 4), torch.tensor([2, 0, 1, 1])
+    i, j = tdim.dims(2)
+    assert x[:, i][j].dims == (i, j)
+    assert_close(x[:, i].index(i, idx), x[:, idx].T)
+    fi, fj = fdim.dims(2)
+    assert x[:, fi][fj].dims == (fj, fi)
+    assert_close(x[:, fi].index(fi, idx), x[:, idx])
+    assert_close(x[:, i][j].order(i, j), x[:, fi][fj].order(fi, fj))
