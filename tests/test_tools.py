@@ -345,6 +345,29 @@ def test_a_tool_alone_keeps_what_autograd_outside_tracks(tool):
     torch.testing.assert_close(torch.autograd.grad(got.sum(), x)[0], 6 * x.detach())
 
 
+def _vjp_of_ones(lib):
+    def f(x):
+        out, vjp_fn = lib.vjp(lambda t: t.abs().sin(), x)
+        return vjp_fn(torch.ones_like(out))[0]
+    return f
+
+
+@pytest.mark.parametrize("tool", list(TOOLS))
+@pytest.mark.parametrize("around", ["torch.device", "trace"])
+def test_a_vjp_inside_a_tool_under_a_torch_function_mode(tool, around):
+    """PyTorch hands torch.autograd.grad back once per torch function mode: vjp_fn's own
+    call stays its own (it was taken for a user's call at the tool's level and raised)."""
+    x = torch.randn(3, dtype=torch.float64)
+    expected = tf.vmap(_vjp_of_ones(tf))(x[None])
+    f = tl.vmap(TOOLS[tool](_vjp_of_ones(tl)))
+    if around == "trace":
+        got = tl.trace(f)(x[None])(x[None])[0]
+    else:
+        with torch.device("cpu"):  # a torch function mode
+            got = f(x[None])
+    torch.testing.assert_close(got, expected)
+
+
 @pytest.mark.parametrize("tool", list(TOOLS))
 def test_a_tool_gives_an_out_tensor_the_shape_the_op_resized_it_to(tool):
     def f(x):

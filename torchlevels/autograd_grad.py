@@ -59,20 +59,20 @@ def on_this_thread(outputs: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
         return pytorch_grad(outputs, inputs, *args, **kwargs)
 
 
-# set while a level's own call is handed back to torch.autograd.grad (see own_grad)
-_own_call: contextvars.ContextVar[bool] = contextvars.ContextVar(
-    "torchlevels_own_grad_call", default=False)
+# the outputs of a level's own call while it is handed back to torch.autograd.grad
+# (see own_grad)
+_own_call: contextvars.ContextVar[list | None] = contextvars.ContextVar(
+    "torchlevels_own_grad_call", default=None)
 
 
 def own_grad(outputs: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
     """PyTorch's ``torch.autograd.grad``, for a level's own calls on the tensors levels
     wrap. PyTorch hands a call on tensors with ``__torch_function__`` back to
-    ``torch.autograd.grad``, which is :func:`grad` below: the mark set here keeps it from
-    being taken for a user's call at the innermost grad level (``vjp_fn`` of a vjp made
-    inside ``grad`` runs on that level's tensors)."""
-    if not torch._C._has_torch_function((*(_tensors(outputs) or ()), *(_tensors(inputs) or ()))):
-        return on_this_thread(outputs, inputs, *args, **kwargs)
-    token = _own_call.set(True)
+    ``torch.autograd.grad``, which is :func:`grad` below, once for each torch function
+    mode too (``with torch.device(...)``): the mark set here, the call's outputs, keeps
+    it from being taken for a user's call at the innermost grad level (``vjp_fn`` of a
+    vjp made inside ``grad`` runs on that level's tensors)."""
+    token = _own_call.set(_tensors(outputs))
     try:
         return on_this_thread(outputs, inputs, *args, **kwargs)
     finally:
@@ -86,6 +86,10 @@ def _tensors(arg: Any) -> list | None:
     if isinstance(arg, (list, tuple)) and all(isinstance(t, torch.Tensor) for t in arg):
         return list(arg)
     return None
+
+
+def _same_tensors(a: list, b: list | None) -> bool:
+    return b is not None and len(a) == len(b) and all(x is y for x, y in zip(a, b))
 
 
 def _at_grad_level(cls: type[LevelTensor] | None, outputs: Any, inputs: Any
@@ -117,8 +121,8 @@ def _at_grad_level(cls: type[LevelTensor] | None, outputs: Any, inputs: Any
 def grad(outputs: Any, inputs: Any, grad_outputs: Any = None, *args: Any, **kwargs: Any
          ) -> Any:
     # PyTorch's docstring (functools.wraps): this is torch.autograd.grad from now on
-    if _own_call.get():
-        _own_call.set(False)  # calls made while this one runs are the user's again
+    own = _own_call.get()
+    if own is not None and _same_tensors(own, _tensors(outputs)):  # (not a hook's call)
         return on_this_thread(outputs, inputs, grad_outputs, *args, **kwargs)
     return _differentiated_at(innermost(), outputs, inputs, grad_outputs, args, kwargs)
 
