@@ -185,6 +185,30 @@ def _split_a_plain_tensor(D):
     return [*B[0].split([x, y], dim=0), *B[:, 1].split([b, z], dim=0)]
 
 
+# a float64 tensor with dims only beside a float32 tensor: one example's promotion (float32)
+# where functorch.dim runs the op under vmap, the aligned tensors' (float64) where it aligns
+D64 = torch.rand(3, dtype=torch.float64, generator=g) + 0.5
+F32 = torch.rand(4, generator=g) + 0.5
+
+
+def _mixed(op):
+    def program(D):
+        i = D.dims(1)
+        return op(D64[i], F32)
+    return program
+
+
+PROGRAMS.update({f"mixed_dtypes_{name}": _mixed(op) for name, op in {
+    "torch_mul": torch.mul, "mul_method": lambda x, b: x.mul(b), "mul_operator": lambda x, b: x * b,
+    "rmul_operator": lambda x, b: b * x, "mul_method_of_plain": lambda x, b: b.mul(x),
+    "fmax": torch.fmax, "fmin": torch.fmin, "logaddexp": torch.logaddexp,
+    "logaddexp2": torch.logaddexp2, "max": torch.max, "min": torch.min, "add": torch.add,
+    "floor_divide": torch.floor_divide, "floordiv": lambda x, b: x // b,
+    "rfloordiv": lambda x, b: b // x, "masked_fill": lambda x, b: x.masked_fill(b > 1, 2.0),
+    "where": lambda x, b: x.where(b > 1, b),
+}.items()})
+
+
 PROGRAMS.update({f.__name__.lstrip("_"): f for f in (
     _searchsorted_in_sequences_with_dims, _bucketize_dims_made_before_and_after, _products,
     _product_kept_shared, _inplace, _stack, _stack_before_a_dim, _torch_stack, _cat_dim,

@@ -210,6 +210,9 @@ def torch_function(func, args: tuple, kwargs: dict) -> Any:
         # functorch.dim runs these methods on the tensor itself, its dims left in order
         return tree_map(lambda o: reorder(o, args[0]._dims), batched(func, args, kwargs))
     if func in _order_rules()[1]:
+        if func in _FLOOR_DIVIDE:  # functorch.dim's dtype: the aligned tensors' promotion
+            flat, spec = tree_flatten((args, kwargs))
+            args, kwargs = tree_unflatten(_promoted(flat, lambda x: x._tensor.shape), spec)
         out = batched(func, args, kwargs)
         dims = union(tree_flatten((args, kwargs))[0])[0]
         return tree_map(lambda o: reorder(o, dims), out)
@@ -245,6 +248,24 @@ _ALIGNED = ("floor_divide", "__floordiv__", "__rfloordiv__", "isclose", "isreal"
 # functorch.dim's batching rule leaves its batch dim in place, and this project's moves it
 # to the front (see _in_place_order)
 _IN_PLACE = {"bucketize": 0, "searchsorted": 1, "index_fill": 0}
+_FLOOR_DIVIDE = (torch.floor_divide, torch.Tensor.floor_divide, torch.Tensor.__floordiv__,
+                 torch.Tensor.__rfloordiv__)
+
+
+def _promoted(flat: list, shape_of: Any) -> list:
+    """Two tensor operands cast to the dtype they promote to with the shapes ``shape_of``
+    gives a tensor with dims. Under vmap a tensor whose dims are all first-class is one
+    0-d value per example: beside a plain tensor of its kind it promotes as a number
+    does (a float64 one times a float32 tensor is float32), where aligned it is a tensor
+    of its dims (float64): each of the two libraries does one for some ops."""
+    operands = [x for x in flat if isinstance(x, (torch.Tensor, _Tensor))]
+    if len(operands) != 2 or not any(isinstance(x, _Tensor) for x in operands) or any(
+            x.dtype == torch.bool for x in operands):  # (a mask: masked_fill, where)
+        return flat
+    want = torch.result_type(*(torch.empty(shape_of(x) if isinstance(x, _Tensor) else x.shape,
+                                           dtype=x.dtype, device="meta") for x in operands))
+    return [x.to(want) if isinstance(x, (torch.Tensor, _Tensor)) and x.dtype != want else x
+            for x in flat]
 
 
 @functools.cache
@@ -458,14 +479,16 @@ def _is_inplace(func) -> bool:
     return name is not None and name.endswith("_")
 
 
-def pointwise(func, args: tuple, kwargs: dict) -> Any:
-    """A pointwise op, called once on inputs aligned to the union of their dims."""
+def pointwise(func, args: tuple, kwargs: dict, vmapped_there: bool = False) -> Any:
+    """A pointwise op, called once on inputs aligned to the union of their dims;
+    ``vmapped_there``: one functorch.dim runs under vmap (see _VMAPPED)."""
     flat, spec = tree_flatten((args, kwargs))
     dims, ndim, device = union(flat)
     if _is_inplace(func) and isinstance(args[0], _Tensor):
         return _pointwise_inplace(func, flat, spec, dims, ndim, device)
-    if func in _order_rules()[0]:
+    if vmapped_there or func in _order_rules()[0]:
         dims = tuple(sorted(dims, key=_created))  # functorch.dim's order (see _VMAPPED)
+        flat = _promoted(flat, lambda x: x.shape)  # and its dtype: one example's promotion
     # a plain 0-d tensor is viewed as shape (1,): it promotes like the dims tensors it
     # meets, which are one value per element of their dims (as in vmap and functorch.dim)
     flat = [align(x, dims, ndim, device) if isinstance(x, _Tensor)

@@ -190,10 +190,7 @@ def _multiply(args: tuple, kwargs: dict, created: bool) -> Any:
     ):
         dims = union(args)[0]
         return _DelayedMul(*args, tuple(sorted(dims, key=_created)) if created else dims)
-    out = pointwise(torch.mul, args, kwargs)
-    if created and isinstance(out, Tensor):
-        out = reorder(out, tuple(sorted(out._dims, key=_created)))
-    return out
+    return pointwise(torch.mul, args, kwargs, vmapped_there=created)
 
 
 def _dot(product: _DelayedMul, summed: tuple) -> Any:
