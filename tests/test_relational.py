@@ -202,6 +202,22 @@ def test_join_with_filters_and_a_residual(con, people, orders):
     assert_same_rows(our_rows(po.order(PO)), theirs, ordered=False)
 
 
+@pytest.mark.parametrize("residual, sql", [
+    (lambda p, o: ~(o["amount"] < p["score"]), "not (amount < score)"),
+    (lambda p, o: (o["amount"] + p["score"]) > 3, "amount + score > 3"),
+    (lambda p, o: 3 < (o["amount"] + p["score"]), "3 < amount + score"),  # noqa: SIM300
+    (lambda p, o: -(o["amount"] * p["score"]) <= -2, "-(amount * score) <= -2"),
+    (lambda p, o: abs(o["amount"] - p["score"]) != 1, "abs(amount - score) <> 1"),
+    (lambda p, o: 1 / (o["amount"] + p["score"]) ** 2 >= 0.01, "1 / (amount + score) ** 2 >= 0.01"),
+])
+def test_join_residuals_of_expressions_over_both_sides(con, people, orders, residual, sql):
+    P, O = dims(2)
+    p, o = people[P], orders[O]
+    PO, po = where((o["pid"] == p["id"]) & residual(p, o), cat(o[["oid"]], p[["name"]]))
+    theirs = duck_rows(con, f"select oid, name from orders join people on pid = id and {sql}")
+    assert_same_rows(our_rows(po.order(PO)), theirs, ordered=False)
+
+
 def test_left_join_keeps_unmatched_rows(con, people, orders):
     P, O = dims(2)
     p, o = people[P], orders[O]
@@ -708,6 +724,21 @@ def test_join_on_bool_keys(con):
                      ordered=False)
 
 
+@pytest.mark.parametrize("days", [
+    [date(1970, 1, 1), date(1970, 1, 2), None],  # a small range of keys: a position table
+    [date(2024, 1, 1) + timedelta(days=k % 30) for k in range(5000)],  # (the same, larger)
+    [date(1900, 1, 1), date(2024, 1, 2), date(1970, 1, 2)],  # a wide one: sort-merge
+])
+def test_join_on_date_keys(con, days):
+    a = _register(con, "da", pa.table({"d": pa.array(days), "i": pa.array(range(len(days)))}))
+    b = _register(con, "db", pa.table({"e": pa.array([date(2024, 1, 2), date(1970, 1, 2)]),
+                                       "j": pa.array([0, 1])}))
+    A, B = dims(2)
+    AB, ab = where(a[A]["d"] == b[B]["e"], cat(a[A], b[B]))
+    assert_same_rows(our_rows(ab.order(AB)), duck_rows(con, "select * from da join db on d = e"),
+                     ordered=False)
+
+
 @pytest.mark.parametrize("pattern", ["a\\%", "a\\b", "a\\_", "a\\\\%", "%\\", "a%", "_\\%"])
 def test_like_has_no_escape_character(con, pattern):
     t = _register(con, "likes", pa.table({"s": ["a%", "ab", "a\\b", "a\\%", "a_", "a\\\\x",
@@ -1042,6 +1073,30 @@ def test_days_between_dates_are_64_bit_ints_as_in_duckdb(con):
            "(e - e) - 1099511627776 <= -1 from days")
     assert_same_rows(our_rows(out), duck_rows(con, sql))
     assert out.to_arrow().schema.types == con.sql(sql).arrow().schema.types
+
+
+def test_dates_plus_and_minus_days_match_duckdb_or_raise_out_of_its_range(con, fused):
+    t = _register(con, "shifts", pa.table({
+        "d": pa.array([date(2000, 1, 1), date(1960, 5, 3), None, date(1970, 1, 1)]),
+        "i": pa.array([3, -400, 7, 2**31 - 2], pa.int64()),
+    }))
+    R = dims(1)
+    r = t[R]
+    S, s = where(r["i"] < 1000, r)  # (the last row's date would leave DuckDB's range)
+    out = Table({"a": (s["d"] + s["i"]).order(S), "b": (s["d"] - s["i"]).order(S),
+                 "c": (10 + s["d"]).order(S), "e": (s["d"] - 5).order(S),
+                 "f": ((s["d"] + 1) > s["d"]).order(S)})
+    sql = ("select d + cast(i as integer), d - cast(i as integer), 10 + d, d - 5, d + 1 > d "
+           "from shifts where i < 1000")
+    assert_same_rows(our_rows(out), duck_rows(con, sql))
+    assert out.to_arrow().schema.types == con.sql(sql).arrow().schema.types
+    for shifted, sql in [(lambda: r["d"] + r["i"] * 2, "d + cast(i * 2 as integer)"),
+                         (lambda: r["d"] - (2**31 - 1), "d - cast(2147483647 as integer)"),
+                         (lambda: r["d"] + (2**31 - 1), "d + cast(2147483647 as integer)")]:
+        with pytest.raises(duckdb.Error):
+            con.sql(f"select {sql} from shifts").fetchall()
+        with pytest.raises(OverflowError, match="date out of range"):
+            shifted().order(R)  # (int32 days wrapped to some other date, silently)
 
 
 def test_grouping_filtered_rows_of_wide_keys_into_few_groups(con):

@@ -186,3 +186,13 @@ def test_floor_division_and_modulo_are_refused_naming_the_operator(con, table, o
                                             r"// and % round the quotient toward zero.*"
                                             r"divide with /"):
             ours()
+
+
+def test_an_aggregate_of_an_aggregate_is_refused_as_by_sql(con, table):
+    with pytest.raises(duckdb.BinderException, match="cannot be nested"):
+        con.execute("select avg(sum(x)) from t").fetchall()
+    R = dims(1)
+    total = table[R]["x"].sum(R)
+    for how in ("mean", "sum", "count", "max"):
+        with pytest.raises(ValueError, match="an aggregate of an aggregate"):
+            getattr(total, how)()

@@ -21,6 +21,9 @@ def aggregate(col: Column, dim, how: str) -> Column:
     """``how`` (sum, mean, min, max, count, count_distinct) of ``col`` over ``dim``."""
     dims = col.dims if dim is None else (tuple(dim) if isinstance(dim, tuple) else (dim,))
     name = f"{how}({col.name})"
+    if col._is_scalar():  # SQL refuses these too: "aggregate function calls cannot be nested"
+        raise ValueError(f"{how}(): {col.describe()} is one value, an aggregate already, and "
+                         "an aggregate of an aggregate is not defined; aggregate the rows once")
     _check_kind(col, how)
     kind = _agg_kind(col, how)
     groups = col.groups

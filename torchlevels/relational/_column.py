@@ -15,6 +15,7 @@ join.
 from __future__ import annotations
 
 import datetime
+import operator
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -152,7 +153,10 @@ def _result_kind(op: str, a: str, b: str) -> str:
 
 
 def _checked(op: str, kind: str) -> str:
-    """The op to record: int arithmetic raises on overflow, as SQL's does (``_ints``)."""
+    """The op to record: int arithmetic raises on overflow, and a date plus or minus days
+    out of the dates' range, as SQL's does (``_ints``)."""
+    if kind == "date" and op in ("add", "sub"):
+        return f"{op}_date"
     return f"{op}_int" if kind == "int" and op in ("add", "sub", "mul", "neg", "abs") else op
 
 
@@ -899,6 +903,8 @@ class Cross:
 
     @property
     def name(self) -> str:
+        if len(self.args) == 1:
+            return f"({self.symbol}{_name(self.args[0])})"
         return f"({_name(self.args[0])} {self.symbol} {_name(self.args[1])})"
 
     def describe(self) -> str:
@@ -926,17 +932,80 @@ class Cross:
             f"made: filter it with where(condition, cat(...)) (a join) before .{name}()"
         )
 
+    # the operators of columns, recorded ((a.x + b.y) > 3, ~(a.x < b.y)) for ``at`` to run
+    def _with(self, o, op: str, symbol: str, flip: bool = False) -> Cross:
+        return Cross(op, (o, self) if flip else (self, o), symbol)
+
     def __and__(self, o):
-        return Cross("and", (self, o), "&")
+        return self._with(o, "and", "&")
 
     def __rand__(self, o):
-        return Cross("and", (o, self), "&")
+        return self._with(o, "and", "&", flip=True)
 
     def __or__(self, o):
-        return Cross("or", (self, o), "|")
+        return self._with(o, "or", "|")
 
     def __ror__(self, o):
-        return Cross("or", (o, self), "|")
+        return self._with(o, "or", "|", flip=True)
+
+    def __add__(self, o):
+        return self._with(o, "add", "+")
+
+    def __radd__(self, o):
+        return self._with(o, "add", "+", flip=True)
+
+    def __sub__(self, o):
+        return self._with(o, "sub", "-")
+
+    def __rsub__(self, o):
+        return self._with(o, "sub", "-", flip=True)
+
+    def __mul__(self, o):
+        return self._with(o, "mul", "*")
+
+    def __rmul__(self, o):
+        return self._with(o, "mul", "*", flip=True)
+
+    def __truediv__(self, o):
+        return self._with(o, "truediv", "/")
+
+    def __rtruediv__(self, o):
+        return self._with(o, "truediv", "/", flip=True)
+
+    def __pow__(self, o):
+        return self._with(o, "pow", "**")
+
+    def __rpow__(self, o):
+        return self._with(o, "pow", "**", flip=True)
+
+    def __lt__(self, o):
+        return self._with(o, "lt", "<")
+
+    def __le__(self, o):
+        return self._with(o, "le", "<=")
+
+    def __gt__(self, o):
+        return self._with(o, "gt", ">")
+
+    def __ge__(self, o):
+        return self._with(o, "ge", ">=")
+
+    def __eq__(self, o):  # type: ignore[override]
+        return self._with(o, "eq", "==")
+
+    def __ne__(self, o):  # type: ignore[override]
+        return self._with(o, "ne", "!=")
+
+    __hash__ = object.__hash__  # (== builds a predicate, as for columns)
+
+    def __invert__(self) -> Cross:
+        return Cross("invert", (self,), "~")
+
+    def __neg__(self) -> Cross:
+        return Cross("neg", (self,), "-")
+
+    def __abs__(self) -> Cross:
+        return Cross("abs", (self,), "abs")
 
     def conjuncts(self) -> list:
         """The parts of an AND chain (one part for anything else)."""
@@ -948,8 +1017,7 @@ class Cross:
     def at(self, index: dict[Dim, torch.Tensor], dim: Dim) -> Column:
         """The expression on the rows ``index[d]`` of each of its dims, over ``dim``."""
         args = [at(a, index, dim) for a in self.args]
-        method = {"and": "__and__", "or": "__or__"}.get(self.op, f"__{self.op}__")
-        return getattr(args[0], method)(args[1])
+        return getattr(operator, {"and": "and_", "or": "or_"}.get(self.op, self.op))(*args)
 
 
 def at(x, index: dict[Dim, torch.Tensor], dim: Dim):

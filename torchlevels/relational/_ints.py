@@ -1,4 +1,5 @@
-"""SQL's integer arithmetic: an int64 result that does not fit is an error, never a wrap.
+"""SQL's integer arithmetic: an int64 result that does not fit is an error, never a wrap
+(and a date plus or minus days out of the dates' range too).
 
 PyTorch's integers wrap around (``2**62 + 2**62`` is ``-2**63``); SQL raises instead
 (DuckDB: "Overflow in addition of INT64"). So an expression of int columns records the
@@ -91,7 +92,35 @@ def _int64(x):
     return x.long() if isinstance(x, torch.Tensor) else x
 
 
-CHECKED = {"add_int": _add, "sub_int": _sub, "mul_int": _mul, "neg_int": _neg, "abs_int": _abs}
+# SQL's DATE holds int32 days, but for the two values that stand for +-infinity
+DAYS_MIN, DAYS_MAX = -(2**31) + 2, 2**31 - 2
+
+
+def _add_days(a, b):
+    return _in_date_range(_add(_int64(a), _int64(b)), "+", a, b)
+
+
+def _sub_days(a, b):
+    return _in_date_range(_sub(a, b), "-", a, b)
+
+
+def _in_date_range(days: torch.Tensor, symbol: str, *operands) -> torch.Tensor:
+    """``days`` (int64) as a date column's int32 days; one out of SQL's DATE range raises,
+    as DuckDB's "Date out of range" (int32 arithmetic would wrap to some other date)."""
+    where = (days < DAYS_MIN) | (days > DAYS_MAX)
+    if bool(where.any()):
+        row = torch.nonzero(where.reshape(-1))[0]
+        a, b = (v.expand_as(where).reshape(-1)[row].item() if isinstance(v, torch.Tensor)
+                else v for v in operands)
+        raise OverflowError(
+            f"date out of range: {a} {symbol} {b} (in days since 1970-01-01) is beyond "
+            f"SQL's DATE, days in [{DAYS_MIN}, {DAYS_MAX}]; add or subtract fewer days"
+        )
+    return days.int()
+
+
+CHECKED = {"add_int": _add, "sub_int": _sub, "mul_int": _mul, "neg_int": _neg, "abs_int": _abs,
+           "add_date": _add_days, "sub_date": _sub_days}
 
 
 def check_constant(value: int, what: str) -> int:

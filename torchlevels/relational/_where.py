@@ -348,7 +348,9 @@ def _match(probe: torch.Tensor, probe_mask: torch.Tensor | None, build: torch.Te
         lo = min(0, build_lo, probe_lo)
         span = max(build_hi, probe_hi) - lo + 1
         if span <= 4 * (build.shape[0] + probe.shape[0]) + 1024:
-            b, p = (build, probe) if lo == 0 else (build - lo, probe - lo)
+            b, p = build.long(), probe.long()  # (dates' int32 days: take() takes int64)
+            if lo:
+                b, p = b - lo, p - lo
             index_type = torch.int32 if build.shape[0] < 2 ** 31 else torch.long
             # the table holds build position + 1, and 0 for a key not in the build side
             rows = torch.arange(1, build.shape[0] + 1, dtype=index_type, device=build.device)
