@@ -13,6 +13,7 @@ shrinks to a minimal function, shape and chain; the falsifying example prints th
 
 from __future__ import annotations
 
+import io
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -334,24 +335,73 @@ def test_autograd_outside_a_composition_matches_torch_func(case):
     captures require grad outside, and the gradients of a weighted sum of the result
     with respect to both agree with torch.func's (no history counts as zero)."""
     program, chain, x0 = case
-    gen = seeded(program.seed + 1)
-    c0 = torch.randn(program.shape, dtype=DTYPE, generator=gen)
-
-    def run(lib):
-        x, c = x0.clone().requires_grad_(), c0.clone().requires_grad_()
-        f = program.build(in_place_views=lib is tl)
-        out = compose(lib, chain, lambda t: f(t * c.cos()))(x)
-        weights = torch.linspace(-1, 1, out.numel(), dtype=DTYPE).view(out.shape)
-        if not out.requires_grad:
-            return out.detach(), torch.zeros_like(x), torch.zeros_like(c)
-        grads = torch.autograd.grad((out * weights).sum(), (x, c), allow_unused=True)
-        return out.detach(), *(torch.zeros_like(t) if g is None else g
-                               for g, t in zip(grads, (x, c)))
-
     try:
-        expected = run(ft)
+        expected = _with_autograd_outside(ft, program, x0, lambda f: compose(ft, chain, f))
     except Exception:
         assume(False)
     for t in expected:
         assume_sane(t)
-    torch.testing.assert_close(run(tl), expected)
+    actual = _with_autograd_outside(tl, program, x0, lambda f: compose(tl, chain, f))
+    torch.testing.assert_close(actual, expected)
+
+
+def _with_autograd_outside(lib, program: Program, x0: torch.Tensor, composed: Callable
+                           ) -> tuple:
+    """``composed(f)(x)`` for the drawn ``f`` of ``t * c.cos()``, with ``x`` and the
+    captured ``c`` requiring grad, and the gradients of a weighted sum of it in both."""
+    c0 = torch.randn(program.shape, dtype=DTYPE, generator=seeded(program.seed + 1))
+    x, c = x0.clone().requires_grad_(), c0.clone().requires_grad_()
+    f = program.build(in_place_views=lib is tl)
+    out = composed(lambda t: f(t * c.cos()))(x)
+    weights = torch.linspace(-1, 1, out.numel(), dtype=DTYPE).view(out.shape)
+    if not out.requires_grad:
+        return out.detach(), torch.zeros_like(x), torch.zeros_like(c)
+    grads = torch.autograd.grad((out * weights).sum(), (x, c), allow_unused=True)
+    return out.detach(), *(torch.zeros_like(t) if g is None else g
+                           for g, t in zip(grads, (x, c)))
+
+
+# -- tools (levels too) anywhere in a composition change nothing --------------------------
+
+TOOLS: dict[str, Callable] = {
+    "count_flops": tl.count_flops,
+    "log_ops": lambda f: tl.log_ops(f, file=io.StringIO()),
+    "compile": tl.compile,  # (outside every transform only: it traces from there)
+}
+
+
+@st.composite
+def tool_cases(draw):
+    """A case and where tools go: at position ``i`` a tool wraps what ``chain[i]``
+    transforms (``len(chain)``: the function itself)."""
+    program, chain, x = draw(cases())
+    where = draw(st.lists(st.integers(0, len(chain)), min_size=1, max_size=2, unique=True))
+    tools = {i: draw(st.sampled_from(list(TOOLS) if i == 0 else ["count_flops", "log_ops"]))
+             for i in where}
+    return program, chain, x, tools
+
+
+def compose_with_tools(chain: tuple[Transform, ...], tools: dict[int, str], f: Callable
+                       ) -> Callable:
+    f = TOOLS[tools[len(chain)]](f) if len(chain) in tools else f
+    for i in reversed(range(len(chain))):
+        f = chain[i].apply(tl, f)
+        f = TOOLS[tools[i]](f) if i in tools else f
+    return f
+
+
+@settings(SETTINGS, max_examples=100)
+@given(tool_cases())
+def test_tools_anywhere_in_a_composition_change_nothing(case):
+    """count_flops, log_ops and compile at random places in a random composition, with
+    autograd outside: values and outer gradients are torch.func's without the tools."""
+    program, chain, x0, tools = case
+    try:
+        expected = _with_autograd_outside(ft, program, x0, lambda f: compose(ft, chain, f))
+    except Exception:
+        assume(False)
+    for t in expected:
+        assume_sane(t)
+    actual = _with_autograd_outside(
+        tl, program, x0, lambda f: compose_with_tools(chain, tools, f))
+    torch.testing.assert_close(actual, expected)
