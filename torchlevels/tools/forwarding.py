@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.autograd.forward_ad as fwAD
 from torch.utils._pytree import tree_map
 
 from torchlevels._level import (
@@ -33,6 +34,7 @@ from torchlevels._level import (
 )
 from torchlevels.batching.registry import written_arguments, written_positions
 from torchlevels.batching.shortcuts import no_shortcuts
+from torchlevels.inner_duals import primals
 
 
 class ForwardingLevel(Level):
@@ -96,6 +98,14 @@ class ForwardingLevel(Level):
         inner_args = [unwrap_own(a, cls) for a in args]
         inner_kwargs = {k: unwrap_own(v, cls) for k, v in kwargs.items()} if kwargs else {}
         with autograd_on():  # autograd outside records on the inner tensors, as grad does
+            if self.hosts_jvp and fwAD._current_level >= 0:
+                # the plain duals a jvp level inside made (a captured constant's, with a
+                # zero tangent): forward AD, on here, would give the inner result that
+                # tangent, unbatched under a vmap outside, which a later in-place op then
+                # writes (see torchlevels.inner_duals)
+                level = fwAD._current_level
+                inner_args = primals(inner_args, level, written=True)
+                inner_kwargs = {k: primals(v, level, written=True) for k, v in inner_kwargs.items()}
             out = self.process(func, tuple(inner_args), inner_kwargs)
         if not written_positions(func):
             return wrap_all(cls, out)
