@@ -37,15 +37,20 @@ def _overflow(where: torch.Tensor, symbol: str, *operands) -> None:
     ``operands`` (one: a prefix op or a function; two: an infix op) overflowed."""
     if not bool(where.any()):
         return
-    row = torch.nonzero(where.reshape(-1))[0]
-    values = [v.expand_as(where).reshape(-1)[row].item() if isinstance(v, torch.Tensor)
-              else v for v in operands]
+    values = _first_where(where, operands)
     if len(values) == 2:
         text = f" {symbol} ".join(map(str, values))
     else:
         text = f"{symbol}({values[0]})" if symbol.isalpha() else f"{symbol}{values[0]}"
     raise OverflowError(f"int64 overflow: {text} does not fit in 64 bits (SQL's BIGINT); "
                         "compute in floats instead (multiply a column by 1.0)")
+
+
+def _first_where(where: torch.Tensor, operands: tuple) -> list:
+    """The operands' values at the first row where ``where`` holds."""
+    row = torch.nonzero(where.reshape(-1))[0]
+    return [v.expand_as(where).reshape(-1)[row].item() if isinstance(v, torch.Tensor)
+            else v for v in operands]
 
 
 def _add(a, b):
@@ -109,9 +114,7 @@ def _in_date_range(days: torch.Tensor, symbol: str, *operands) -> torch.Tensor:
     as DuckDB's "Date out of range" (int32 arithmetic would wrap to some other date)."""
     where = (days < DAYS_MIN) | (days > DAYS_MAX)
     if bool(where.any()):
-        row = torch.nonzero(where.reshape(-1))[0]
-        a, b = (v.expand_as(where).reshape(-1)[row].item() if isinstance(v, torch.Tensor)
-                else v for v in operands)
+        a, b = _first_where(where, operands)
         raise OverflowError(
             f"date out of range: {a} {symbol} {b} (in days since 1970-01-01) is beyond "
             f"SQL's DATE, days in [{DAYS_MIN}, {DAYS_MAX}]; add or subtract fewer days"
