@@ -335,14 +335,19 @@ def test_autograd_outside_a_composition_matches_torch_func(case):
     captures require grad outside, and the gradients of a weighted sum of the result
     with respect to both agree with torch.func's (no history counts as zero)."""
     program, chain, x0 = case
+    _check_with_autograd_outside(program, chain, x0, lambda f: compose(tl, chain, f))
+
+
+def _check_with_autograd_outside(program: Program, chain: tuple[Transform, ...],
+                                 x0: torch.Tensor, ours: Callable) -> None:
+    """``ours(f)`` against torch.func's ``chain`` of ``f``, both with autograd outside."""
     try:
         expected = _with_autograd_outside(ft, program, x0, lambda f: compose(ft, chain, f))
     except Exception:
         assume(False)
     for t in expected:
         assume_sane(t)
-    actual = _with_autograd_outside(tl, program, x0, lambda f: compose(tl, chain, f))
-    torch.testing.assert_close(actual, expected)
+    torch.testing.assert_close(_with_autograd_outside(tl, program, x0, ours), expected)
 
 
 def _with_autograd_outside(lib, program: Program, x0: torch.Tensor, composed: Callable
@@ -396,12 +401,5 @@ def test_tools_anywhere_in_a_composition_change_nothing(case):
     """count_flops, log_ops and compile at random places in a random composition, with
     autograd outside: values and outer gradients are torch.func's without the tools."""
     program, chain, x0, tools = case
-    try:
-        expected = _with_autograd_outside(ft, program, x0, lambda f: compose(ft, chain, f))
-    except Exception:
-        assume(False)
-    for t in expected:
-        assume_sane(t)
-    actual = _with_autograd_outside(
-        tl, program, x0, lambda f: compose_with_tools(chain, tools, f))
-    torch.testing.assert_close(actual, expected)
+    _check_with_autograd_outside(program, chain, x0,
+                                 lambda f: compose_with_tools(chain, tools, f))
