@@ -424,7 +424,12 @@ def _grads(lib):
     return lib.grad(lambda v: (v * _C).abs().logsumexp(0))
 
 
-@pytest.mark.parametrize("name", ["double backward", ".data", ".detach()", "grad", "vmap(grad)"])
+def _hessian(lib):
+    return lib.hessian(lambda v: (v.exp() * _C).sum() * v.logsumexp(0))
+
+
+@pytest.mark.parametrize("name", ["double backward", ".data", ".detach()", "grad", "vmap(grad)",
+                                  "hessian"])
 def test_autograd_outside_a_replay_differentiates_as_outside_eager(name):
     """Autograd's saved outputs, unpacked in a backward pass, keep the output's history;
     make_fx records them as detaches, which a replay would cut (a wrong gradient of a
@@ -435,6 +440,7 @@ def test_autograd_outside_a_replay_differentiates_as_outside_eager(name):
         ".detach()": (_detaches, _detaches),
         "grad": (_grads(tl), _grads(tf)),
         "vmap(grad)": (_per_example_grads(tl), _per_example_grads(tf)),
+        "hessian": (_hessian(tl), _hessian(tf)),
     }[name]
     x0 = torch.tensor([1.2, -0.7, 0.4], dtype=torch.float64)
 
