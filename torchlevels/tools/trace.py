@@ -88,7 +88,7 @@ def _trace(func: Callable, args: tuple, kwargs: dict) -> tuple[GraphModule, Any,
 
     def flat_func(*tensor_args: torch.Tensor) -> list:
         nonlocal out_spec, outputs
-        _note_modes(get_proxy_mode().tracer, calls)
+        _note_autograd(get_proxy_mode().tracer, calls)
         leaves = list(flat)
         for i, t in zip(tensors, tensor_args):
             leaves[i] = t
@@ -118,7 +118,7 @@ _GRAD_ENABLED = "torchlevels_grad_enabled"
 _SAVED_OUTPUT = "torchlevels_saved_output"
 
 
-def _note_modes(tracer: Any, calls: _TracedCalls) -> None:
+def _note_autograd(tracer: Any, calls: _TracedCalls) -> None:
     """Make make_fx's ``tracer`` note on each node it makes whether grad mode was on when
     the op ran, and on each ``detach`` whether autograd made it to save an output: make_fx
     sees ops below autograd, and its graph would hold neither."""
