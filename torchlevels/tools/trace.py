@@ -163,22 +163,23 @@ def _read_through_saved_outputs(gm: GraphModule) -> None:
     the tensor unpacked has the output's history, so autograd outside differentiates a
     double backward through it (``grad`` of ``grad``, hessian-vector products). Read as
     detaches, a replay of ``f`` would cut that history and give wrong derivatives."""
-    for node in list(gm.graph.nodes):
-        if node.meta.get(_SAVED_OUTPUT) and not any(
-            isinstance(u.target, torch._ops.OpOverload) and u.target._schema.is_mutable
-            for u in node.users
-        ):
-            node.replace_all_uses_with(node.args[0])
-            gm.graph.erase_node(node)
+    _read_through(gm, lambda node: node.meta.get(_SAVED_OUTPUT, False))
 
 
 def drop_aliases(gm: GraphModule) -> None:
     """Read through ``aten.alias`` nodes (forward AD makes one per dual tensor it packs or
     unpacks, half the nodes of a jvp's graph). An alias has its input's storage and
-    metadata, so reading it is reading its input; an alias that an op writes to (which
-    could change its metadata alone: ``t_``) is kept."""
+    metadata, so reading it is reading its input."""
+    _read_through(gm, lambda node: node.op == "call_function"
+                  and node.target is aten.alias.default)
+
+
+def _read_through(gm: GraphModule, picked: Callable[[torch.fx.Node], bool]) -> None:
+    """Replace each node ``picked`` (a view of its first argument with its metadata) by
+    that argument, except one an op writes to (which could change its metadata alone:
+    ``t_``)."""
     for node in list(gm.graph.nodes):
-        if node.op == "call_function" and node.target is aten.alias.default and not any(
+        if picked(node) and not any(
             isinstance(u.target, torch._ops.OpOverload) and u.target._schema.is_mutable
             for u in node.users
         ):
