@@ -853,3 +853,15 @@ def _backward(a):
 def test_ux_limitations_raise_the_same_kind_of_error(name):
     run, match = UX_ERRORS[name]
     raises_like_torch_func(run, match)
+
+
+def test_jvp_keeps_a_tangent_of_another_floating_dtype_as_forward_ad_does():
+    """make_dual keeps a float64 tangent on a float32 primal laid out alike (and casts one
+    laid out otherwise): the tangents out are then float64, as torch.func gives them."""
+    x, t = torch.randn(3, 4), torch.randn(3, 4, dtype=torch.float64)
+    for f in (lambda a: a, torch.sin, lambda a: a.clone().mul_(a)):
+        ours = tl.jvp(f, (x,), (t,))
+        assert_tree_close(ours, tf.jvp(f, (x,), (t,)))
+        assert ours[1].dtype == torch.float64
+    strided = t.T.contiguous().T
+    assert_tree_close(tl.jvp(torch.sin, (x,), (strided,)), tf.jvp(torch.sin, (x,), (strided,)))

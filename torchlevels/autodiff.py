@@ -925,7 +925,9 @@ def _same_layout(tangent: torch.Tensor, primal: torch.Tensor) -> bool:
                            or tangent.storage_offset() != primal.storage_offset()):
         return False
     if type(primal) is torch.Tensor and type(tangent) is torch.Tensor:
-        return primal.untyped_storage().nbytes() == tangent.untyped_storage().nbytes()
+        # storage sizes in elements: make_dual keeps a tangent of another floating dtype
+        return (primal.untyped_storage().nbytes() * tangent.element_size()
+                == tangent.untyped_storage().nbytes() * primal.element_size())
     return True
 
 
