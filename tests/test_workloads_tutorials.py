@@ -835,12 +835,19 @@ UX_ERRORS = {
         torch.bernoulli, randomness="same")(X.sigmoid()), "batched tensor input"),
     "different in-place randomness, unbatched": (lambda lib: lib.vmap(
         lambda a: torch.zeros(4).uniform_() + a, randomness="different")(X), "unbatched"),
+    "a batched tensor used after vmap": (lambda lib: _escaped(lib) + 1, "escaped"),
     "non-scalar grad output": (lambda lib: lib.grad(lambda a: a * 2)(X), "scalar"),
     "vjp_fn cotangent shape": (lambda lib: lib.vjp(torch.sin, X)[1](torch.ones(4)), "shape"),
     "jvp tangent shape": (lambda lib: lib.jvp(torch.sin, (X,), (torch.ones(3, 5),)), "shape"),
     "integer input to jacrev": (lambda lib: lib.jacrev(lambda a: a * 2)(torch.arange(3)),
                                 "floating"),
 }
+
+
+def _escaped(lib):
+    saved = []
+    lib.vmap(lambda a: saved.append(a * 2) or a.sin())(X)
+    return saved[0]
 
 
 def _backward(a):
