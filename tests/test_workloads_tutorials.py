@@ -22,22 +22,9 @@ import torch.func as tf
 import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils._pytree as pytree
-from torch.utils._pytree import tree_flatten
+from test_workloads import assert_tree_close, detached_params
 
 import torchlevels as tl
-
-
-def assert_tree_close(actual, expected, **kwargs):
-    flat_a, spec_a = tree_flatten(actual)
-    flat_e, spec_e = tree_flatten(expected)
-    assert spec_a == spec_e, f"structure differs:\n{spec_a}\nvs torch.func's\n{spec_e}"
-    for a, e in zip(flat_a, flat_e):
-        assert type(a) is torch.Tensor, type(a)
-        torch.testing.assert_close(a, e, **kwargs)
-
-
-def detached_params(model: nn.Module) -> dict:
-    return {k: v.detach() for k, v in model.named_parameters()}
 
 
 def raises_like_torch_func(run, match):
