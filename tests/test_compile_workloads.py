@@ -446,6 +446,33 @@ def test_compile_at_each_depth_of_a_composition():
         tl.vmap(tl.compile(tl.grad(loss(tl))), in_dims=(None, 0, 0))(params, xs, ys)
 
 
+def test_a_frozen_layer_unfrozen_traces_again():
+    """Fine-tuning: a loss compiled while the layers are frozen, then unfrozen. The trace of
+    frozen layers switched no grad mode for autograd: a replay recorded the target
+    computed under no_grad, and its gradients were wrong."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True).eval()
+    head = nn.Linear(8, 2)
+
+    def loss(x):
+        with torch.no_grad():
+            target = head(x).tanh()  # a constant for autograd
+        return F.mse_loss(head(layer(x)), target)
+
+    compiled, x = tl.compile(loss), torch.randn(2, 5, 8)
+    for trainable in (False, True, False, True):
+        layer.requires_grad_(trainable)
+        head.requires_grad_(trainable)
+        got = compiled(x)
+        torch.testing.assert_close(got, loss(x))
+        assert got.requires_grad is trainable
+        if trainable:
+            params = [*layer.parameters(), *head.parameters()]
+            assert_tree_close(torch.autograd.grad(got, params),
+                              torch.autograd.grad(loss(x), params))
+    assert sum(map(len, compiled.cache.values())) == 2
+
+
 # -- memory and inductor -----------------------------------------------------------------------
 
 def test_replays_keep_memory_flat():

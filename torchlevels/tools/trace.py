@@ -139,8 +139,18 @@ def _note_autograd(tracer: Any, calls: _TracedCalls) -> None:
 def _recorded_by_autograd(gm: GraphModule, inputs: list) -> bool:
     """Whether autograd may record a replay of ``gm``: an input or a captured tensor
     requires grad."""
+    return any(_requires_grad((*inputs, *_captured(gm))))
+
+
+def _captured(gm: GraphModule) -> tuple[torch.Tensor, ...]:
+    """The tensors ``gm`` holds as constants: those ``f`` captured (a module's parameters)."""
     constants = (getattr(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr")
-    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in (*inputs, *constants))
+    return tuple(t for t in constants if isinstance(t, torch.Tensor))
+
+
+def _requires_grad(tensors: Sequence[torch.Tensor]) -> tuple[bool, ...]:
+    """Each tensor's ``requires_grad`` flag."""
+    return tuple(t.requires_grad for t in tensors)
 
 
 def _replay_grad_modes(graph: torch.fx.Graph, enabled: bool) -> None:
@@ -271,9 +281,11 @@ class CompiledFunction:
             gm, out_spec, outputs = _trace(self.func, args, kwargs)
         tensors = [i for i, a in enumerate(flat) if isinstance(a, torch.Tensor)]
         inputs = [flat[i] for i in tensors]
+        captured = _captured(gm)
         run = _backend(gm, self.backend, inputs)
         self.cache.setdefault(key, []).append(
-            _Trace(run, out_spec, tensors, modules, _storage_offsets(gm, inputs)))
+            _Trace(run, out_spec, tensors, modules, _storage_offsets(gm, inputs), captured,
+                   _requires_grad(captured)))
         return tree_unflatten(outputs, out_spec)  # the traced run's: it wrote in place
 
     def _room(self) -> bool:
@@ -299,14 +311,18 @@ class CompiledFunction:
 @dataclass
 class _Trace:
     """A replayable trace, the modules whose ``training`` flag it was traced with (train
-    and eval take different branches: dropout, batch norm), and the storage offsets of its
-    inputs where the graph holds them."""
+    and eval take different branches: dropout, batch norm), the storage offsets of its
+    inputs where the graph holds them, and the tensors it captured with their
+    ``requires_grad`` flags (a frozen layer unfrozen: the trace of frozen ones switched no
+    grad modes for autograd, so a replay would record a ``no_grad`` block)."""
 
     run: Callable
     out_spec: Any
     tensors: list[int]  # which flattened arguments are the graph's inputs
     modules: list[tuple[weakref.ref, bool]]
     offsets: tuple[int, ...] | None
+    captured: tuple[torch.Tensor, ...]
+    captured_requires_grad: tuple[bool, ...]
 
     def alive(self) -> bool:
         """Whether every module the trace ran still exists."""
@@ -315,6 +331,8 @@ class _Trace:
     def holds(self, flat: Sequence) -> bool:
         if self.offsets is not None and self.offsets != tuple(
                 flat[i].storage_offset() for i in self.tensors):
+            return False
+        if _requires_grad(self.captured) != self.captured_requires_grad:
             return False
         for ref, training in self.modules:
             module = ref()
@@ -434,10 +452,11 @@ def compile(func: Callable, backend: str | Callable | None = None, *,
 
     A trace also holds the ``training`` flag of every module ``f`` calls: after
     ``model.eval()`` the next call traces again (dropout and batch norm take other
-    branches), and ``model.train()`` brings back the first trace. Other Python state ``f``
-    reads (a global, a captured number) is fixed in the trace, as in ``jax.jit``; pass it
-    as an argument to have it checked. Arguments that are neither tensors nor hashable
-    raise TypeError.
+    branches), and ``model.train()`` brings back the first trace; so does the
+    ``requires_grad`` flag of every tensor ``f`` captures (a layer frozen, then unfrozen).
+    Other Python state ``f`` reads (a global, a captured number) is fixed in the trace, as
+    in ``jax.jit``; pass it as an argument to have it checked. Arguments that are neither
+    tensors nor hashable raise TypeError.
 
     At most ``cache_size_limit`` traces are kept (8, as ``torch.compile``'s limit): a
     call that would need one more runs ``f`` eagerly, with a warning the first time. A
