@@ -113,14 +113,6 @@ def _mlp():
     return _per_sample(model), lambda: [batch(6), batch(6), batch(3)], None
 
 
-def _mlp_float64():
-    torch.manual_seed(0)
-    model = make_mlp().double()
-    p = detached_params(model)
-    batch = lambda: (p, torch.randn(4, 10, dtype=torch.float64), torch.randint(0, 5, (4,)))
-    return _per_sample(model), lambda: [batch(), batch()], None
-
-
 def _cnn():
     torch.manual_seed(0)
     model = make_cnn()
@@ -246,21 +238,17 @@ def _recurrent_layer(layer):
     return workload
 
 
-def _transformer(training):
-    def workload():
-        torch.manual_seed(0)
-        layer = nn.TransformerEncoderLayer(4, 2, 8, dropout=0.2, batch_first=True).double()
-        layer.train(training)
-        p = detached_params(layer)
+def _transformer():
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(4, 2, 8, dropout=0.2, batch_first=True).double()
+    p = detached_params(layer)
 
-        def make(lib):
-            loss = lambda p, x: (lib.functional_call(layer, p, (x[None],)) ** 2).sum()
-            return lib.vmap(lib.grad(loss), in_dims=(None, 0), randomness="different")
+    def make(lib):
+        loss = lambda p, x: (lib.functional_call(layer, p, (x[None],)) ** 2).sum()
+        return lib.vmap(lib.grad(loss), in_dims=(None, 0), randomness="different")
 
-        batch = lambda n, s: (p, torch.randn(n, s, 4, dtype=torch.float64))
-        calls = [batch(3, 5), batch(3, 5)] + [batch(2, 6)] * training
-        return make, lambda: calls, 4
-    return workload
+    batch = lambda n, s: (p, torch.randn(n, s, 4, dtype=torch.float64))
+    return make, lambda: [batch(3, 5), batch(3, 5), batch(2, 6)], 4
 
 
 def _linearize(use):
@@ -287,7 +275,6 @@ def _jvp_of_a_model():
 
 WORKLOADS = {
     "per-sample grads, MLP": _mlp,
-    "per-sample grads, MLP in float64": _mlp_float64,
     "per-sample grads, CNN": _cnn,
     "per-sample grads, batch norm in eval mode": _batch_norm_eval,
     "per-sample grads, replace_all_batch_norm_modules_": _batch_norm_replaced,
@@ -305,8 +292,7 @@ WORKLOADS = {
     "forces by vmap(jacrev), dense": _forces(lennard_jones_energy),
     "forces by vmap(jacrev), pairs": _forces(lennard_jones_pairs),
     **{f"jacrev of {layer}": _recurrent_layer(layer) for layer in ["GRU", "LSTM"]},
-    "transformer layer with dropout, training": _transformer(True),
-    "transformer layer, eval": _transformer(False),
+    "transformer layer with dropout": _transformer,
     "linearize, vmap(jvp_fn)": _linearize("vmap(jvp_fn)"),
     "jvp of a model in its parameters": _jvp_of_a_model,
 }
