@@ -96,6 +96,36 @@ def test_a_users_call_on_a_conj_view_keeps_the_graph_outside(call):
     torch.testing.assert_close(run(tl), expected)
 
 
+@pytest.mark.parametrize("transform", ["grad(grad)", "vmap(vjp)", "vmap(grad of z)"])
+@pytest.mark.parametrize("call", [
+    lambda x, z: x + z.conj(),
+    lambda x, z: x - z.conj().imag,
+], ids=["add", "sub_of_neg_view"])
+def test_a_users_call_on_a_conj_view_inside_two_levels_keeps_the_graph_outside(
+        call, transform):
+    """A grad level over another level runs the call on its inner tensors, past the
+    enclosing level's ``__torch_function__``: ``add`` (no formula op) then met the
+    Conjugate key's fallback, which copied the view with no history (found by fuzzing).
+    Differentiating ``z`` makes the view one of the grad level's inner tensor."""
+    xs = torch.randn(2, 6, generator=seeded(9), dtype=torch.complex128)
+
+    def run(lib):
+        w = W.clone().requires_grad_()
+        z = torch.complex(w, w.sin())
+        f = lambda x: call(x, z).exp()  # noqa: E731
+        if transform == "grad(grad)":
+            out = lib.grad(lambda x: lib.grad(lambda a: f(a).real.sum())(x).abs().sum())(xs[0])
+        elif transform == "vmap(grad of z)":
+            out = lib.vmap(lib.grad(lambda c, x: call(x, c).exp().real.sum()),
+                           in_dims=(None, 0))(z, xs)
+        else:
+            out = lib.vmap(lambda x: lib.vjp(f, x)[1](torch.ones_like(x))[0])(xs)
+        return out.detach(), torch.autograd.grad(out.abs().pow(2).sum(), w)[0]
+
+    expected = run(tf)
+    torch.testing.assert_close(run(tl), expected)
+
+
 @pytest.mark.filterwarnings("ignore:torch.triangular_solve is deprecated")
 def test_the_kernels_give_pytorchs_results_outside_the_levels():
     """With the kernels registered, plain calls on conj and neg views give what the same

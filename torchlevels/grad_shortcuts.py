@@ -39,6 +39,7 @@ from torchlevels.batching.shortcuts import (
     no_shortcuts,
     torch_and_tensor,
 )
+from torchlevels.math_bits import tracked_views_resolved
 
 _no_subclass_torch_function = torch._C.DisableTorchFunctionSubclass
 _NUMBERS = (int, float, bool)
@@ -122,6 +123,9 @@ def _on_inner(cls, func, args, kwargs) -> Any:
         # one (a reshape's copy in matmul) to a vmap level's op unmarked (see
         # mark_level_graph), and that level would record autograd on its physical tensors
         return None
+    # (on the inner tensors the call meets no enclosing level's __torch_function__, and
+    # PyTorch's fallback would copy a tracked conj view untracked: see math_bits.py)
+    inner, inner_kwargs = tracked_views_resolved(tuple(inner), inner_kwargs)
     try:
         out = func(*inner, **inner_kwargs)
     except RuntimeError:
