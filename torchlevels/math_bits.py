@@ -43,9 +43,12 @@ from torchlevels._plain import PLAIN
 
 # the ops backward formulas run on a conj view and a gradient (a level's tensor under a
 # transform) that reach the Conjugate key: mul and div (pointwise ops, products and
-# quotients), mv (addmv, addr), linalg_cross's and triangular_solve's own. Composite ops
-# (matmul, outer) decompose above that key; mm, bmm and dot take conj views as they are.
-_FORMULA_OPS = ("mul.Tensor", "div.Tensor", "mv", "linalg_cross", "triangular_solve")
+# quotients), mv (addmv, addr), linalg_cross's and triangular_solve's own, and
+# _linalg_solve_ex (linalg.solve's, which solves with ``A.mH`` when grad mode is on).
+# Composite ops (matmul, outer) decompose above that key; mm, bmm and dot take conj views
+# as they are.
+_FORMULA_OPS = ("mul.Tensor", "div.Tensor", "mv", "linalg_cross", "triangular_solve",
+                "_linalg_solve_ex")
 _BELOW_MATH_BITS = torch._C._dispatch_keyset_full_after(torch._C.DispatchKey.Conjugate)
 _registered = False
 _lock = threading.Lock()
