@@ -23,6 +23,14 @@ buffer): only the tensors the user's own call names (``buf`` in ``buf.index_add_
 the tensor indexed in ``buf[i] = v``) are taken in, since C++ code goes on using the plain
 tensor it holds.
 
+A tensor of an enclosing level (a vmap's tensor made from an argument grad does not
+differentiate: ``out = torch.zeros_like(y); out[i] = f(x)``, which torch.func's grad allows
+because it wraps every argument) is taken in the same way, with the tensor of that level
+holding the whole memory and its views the program holds. A level's views are found by
+their memory, a plain view of the holder's: the shortcuts that make them record no
+autograd view between the level's tensors. Each becomes the same view of the holder's
+constant (an ``as_strided`` view, which autograd tracks).
+
 torch.func refuses a write into a tensor made outside the function (a captured one); this
 takes it in as well, and it keeps the values written after the call, as in eager PyTorch.
 """
@@ -97,10 +105,14 @@ def lift_written(cls: type[LevelTensor], func, args: tuple, kwargs: dict, kind: 
     if type(written) is LiftedTensor:  # C++ code writing again into the tensor it holds
         return func(resolved(written), *args[1:], **kwargs)
     if isinstance(written, LevelTensor):  # of an enclosing level (a vmap's): it becomes ours
-        _refuse(func, kind, _level_tensor_refusal(written))
+        base, views = _level_holders(written)
+        _refuse(func, kind, _level_tensor_refusal(written, base, views))
         enclosing = type(written)
-        _become(written, constant(cls, enclosing._level.rewrap(enclosing, written)))
-        _note(cls, written)
+        _become(base, constant(cls, enclosing._level.rewrap(enclosing, base)))
+        _note(cls, base)
+        for view in views:  # the same view of the level's tensor: its writes are tracked
+            _become(view, _strided_view(base, view))
+            _note(cls, view)
         return func(written, *args[1:], **kwargs)
     base = written._base if type(written) is torch.Tensor and written._is_view() else written
     views = _views_named(written, base)
@@ -175,21 +187,63 @@ def _views_held(base: torch.Tensor, views: list[torch.Tensor]) -> list[torch.Ten
     return found
 
 
-def _level_tensor_refusal(written: LevelTensor) -> str:
-    """Why ``written``, a tensor of a level around the writing one, cannot become one of
-    that level, or '' if it can."""
-    memory = memory_of(written)
-    if type(memory) is not torch.Tensor or memory._is_view():
+def _level_holders(written: LevelTensor) -> tuple[LevelTensor | None, list[LevelTensor]]:
+    """The tensors of ``written``'s level the program holds that hold its memory: the
+    one holding the whole of it (``None`` if none is found), and the views of that one,
+    ``written`` among them if it is one. A level's views hold a plain view of its memory
+    (its shortcuts make them with no autograd view of their own): they are looked for
+    as :func:`_views_held` looks for plain ones."""
+    kind, memory = type(written), memory_of(written)
+    root = memory._base if memory._is_view() else memory
+    base, views = (written, []) if memory is root else (None, [written])
+    for generation in range(3):
+        if base is not None and not _unaccounted(base, views):
+            break
+        for t in gc.get_objects(generation):
+            if type(t) is not kind or t is written or any(t is v for v in views):
+                continue
+            m = memory_of(t)
+            if m is root and base is None:
+                base = t
+            elif m._is_view() and m._base is root:
+                views.append(t)
+    return base, views
+
+
+def _unaccounted(base: LevelTensor, views: list[LevelTensor]) -> str:
+    """Why the memory of ``base`` and ``views`` is held by more than them and the plain
+    tensors an enclosing level took in (each reads it only through that level's tensor),
+    or '' if it is not."""
+    memory = memory_of(base)
+    refs = getattr(memory, _ALIASES, ())
+    held = {id(memory_of(t)) for t in (base, *views)}
+    return _shared_memory_refusal(
+        memory, 1 + len(held) + sum(type(ref()) is LiftedTensor for ref in refs))
+
+
+def _level_tensor_refusal(written: LevelTensor, base: LevelTensor | None,
+                          views: list[LevelTensor]) -> str:
+    """Why ``written``, a tensor of a level around the writing one (``base`` or one of
+    its ``views``), cannot become one of the writing level with them, or '' if it can."""
+    if base is None:
         return (f"it is a {type(written).__name__} whose memory is a view of another "
-                "tensor's, which would read it untracked")
+                "tensor's that the program does not hold")
+    memory = memory_of(base)
+    if type(memory) is not torch.Tensor:
+        return f"it holds its memory in a {type(memory).__name__}"
     if memory.layout != torch.strided:
         return f"it is a {memory.layout} tensor"
-    if not any(a is written or resolved(a) is written for a in _writing.get()):
+    if not any(resolved(a) is t for a in _writing.get() for t in (base, *views)):
         return "it is not a tensor the call names (PyTorch's own code made it)"
-    # plain tensors an enclosing level took in hold the same memory, and read it only
-    # through that level's tensor
-    aliases = sum(type(ref()) is LiftedTensor for ref in getattr(memory, _ALIASES, ()))
-    return _shared_memory_refusal(memory, 2 + aliases)
+    return _unaccounted(base, views)
+
+
+def _strided_view(base: LevelTensor, view: LevelTensor) -> torch.Tensor:
+    """``view``, a view of ``base`` at the level ``base`` was of, as the same view of
+    ``base``, now a tensor of a level inside: an ``as_strided`` view, which autograd
+    tracks as a view (PyTorch's wrappers record no view function to replay). A level's
+    tensor shows its memory's strides and offset, less its batch dim."""
+    return base.as_strided(view.shape, view.stride(), view.storage_offset())
 
 
 def _shared_memory_refusal(t: torch.Tensor, expected: int) -> str:
