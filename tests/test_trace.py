@@ -456,3 +456,27 @@ def test_autograd_outside_a_replay_differentiates_as_outside_eager(name):
     for _ in range(2):  # the trace, then a replay
         assert_tree_close(grads(compiled), expected)
     assert_tree_close(grads(lambda x: tl.trace(f)(x)(x)[0]), expected)
+
+
+def test_tracing_anew_keeps_no_source_of_the_graphs_it_frees():
+    """torch.fx keeps each compiled module's source in linecache for the rest of the
+    process: the trace keeps it while its graph lives (for tracebacks), no longer."""
+    import gc
+    import linecache
+
+    f = tl.vmap(tl.grad(lambda x: x.sin().sum()))
+    x = torch.randn(3, 4)
+    gm = tl.trace(f)(x)
+    key = type(gm).forward.__code__.co_filename
+    assert linecache.getline(key, 1)  # the source, while the graph lives
+    def compiled_sources():
+        return {k for k in linecache.cache if k.startswith("<eval_with_key>")}
+
+    before = compiled_sources()
+    for _ in range(20):
+        tl.trace(f)(x)
+    gc.collect()  # (a module holds reference cycles)
+    assert compiled_sources() == before
+    del gm
+    gc.collect()
+    assert key not in linecache.cache

@@ -522,14 +522,14 @@ def test_linearize_keeps_no_traced_source_behind():
     # torch.fx keeps the source of every module it compiles (make_fx's, once per call)
     import linecache
 
-    def sources():
-        return sum(key.startswith("<eval_with_key>") for key in linecache.cache)
+    def sources():  # (those of traces other tests made may go meanwhile)
+        return {key for key in linecache.cache if key.startswith("<eval_with_key>")}
 
     tl.linearize(torch.sin, X)[1](Y)
     before = sources()
     for _ in range(20):
         tl.linearize(lambda a: a.sin() * a, X)[1](Y)
-    assert sources() == before
+    assert not sources() - before
 
 
 def test_linearize_of_a_function_that_reads_a_value_runs_jvp_per_call():

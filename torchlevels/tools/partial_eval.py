@@ -11,18 +11,16 @@ whose random ops drew their numbers once, as JAX's and torch.func's linearize gi
 
 from __future__ import annotations
 
-import contextlib
-import linecache
 import operator
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch.fx import Graph, Node
 from torch.fx.experimental.proxy_tensor import make_fx
-from torch.fx.graph_module import _loader as _fx_sources
 from torch.fx.node import map_arg
 
+from torchlevels.tools.fx_sources import sources_forgotten
 from torchlevels.tools.trace import drop_aliases
 
 
@@ -41,7 +39,7 @@ def partially_evaluated(func: Callable[..., list], inputs: Sequence[torch.Tensor
         >>> torch.allclose(f(torch.ones(3))[0], w.exp())  # exp(w) was computed once
         True
     """
-    with _sources_forgotten():
+    with sources_forgotten():  # only the graph is read
         gm = make_fx(func)(*inputs)
     drop_aliases(gm)
     graph = gm.graph
@@ -57,21 +55,6 @@ def partially_evaluated(func: Callable[..., list], inputs: Sequence[torch.Tensor
             args, kwargs = map_arg((node.args, node.kwargs), known.__getitem__)
             known[node] = node.target(*args, **kwargs)
     return _rest(graph, dynamic, known)
-
-
-@contextlib.contextmanager
-def _sources_forgotten() -> Iterator[None]:
-    """torch.fx keeps the source of every module it compiles, for tracebacks, for the rest
-    of the process (about 1 KB each): those compiled in the block are dropped, since only
-    their graphs are read here."""
-    before = set(linecache.cache)
-    try:
-        yield
-    finally:
-        for key in set(linecache.cache) - before:
-            if key.startswith("<eval_with_key>"):
-                linecache.cache.pop(key, None)
-                _fx_sources.eval_cache.pop(key, None)
 
 
 def _dynamic_nodes(graph: Graph) -> set[Node]:

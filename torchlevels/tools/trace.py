@@ -27,6 +27,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from torchlevels import data_assignment
 from torchlevels._level import _AUTOGRAD, LevelTensor, _key_excluded
 from torchlevels.tools.forwarding import wraps_function
+from torchlevels.tools.fx_sources import sources_forgotten
 
 __all__ = ["DataDependentError", "compile", "trace"]
 
@@ -97,20 +98,22 @@ def _trace(func: Callable, args: tuple, kwargs: dict) -> tuple[GraphModule, Any,
         return outputs
 
     calls = _TracedCalls(func)
-    try:
-        with calls:
-            gm = make_fx(flat_func)(*(flat[i] for i in tensors))
-    except RuntimeError as e:
-        if "data-dependent" not in str(e):
-            raise
-        raise DataDependentError(_data_dependent(func, "aten._local_scalar_dense")) from e
-    _check_no_python_values(gm, func)
-    drop_aliases(gm)
-    _read_through_saved_outputs(gm)
-    gm.graph.eliminate_dead_code()
-    if _recorded_by_autograd(gm, [flat[i] for i in tensors]):
-        _replay_grad_modes(gm.graph, torch.is_grad_enabled())
-    gm.recompile()
+    with sources_forgotten() as kept:  # gm's own, until it is freed
+        try:
+            with calls:
+                gm = make_fx(flat_func)(*(flat[i] for i in tensors))
+        except RuntimeError as e:
+            if "data-dependent" not in str(e):
+                raise
+            raise DataDependentError(_data_dependent(func, "aten._local_scalar_dense")) from e
+        _check_no_python_values(gm, func)
+        drop_aliases(gm)
+        _read_through_saved_outputs(gm)
+        gm.graph.eliminate_dead_code()
+        if _recorded_by_autograd(gm, [flat[i] for i in tensors]):
+            _replay_grad_modes(gm.graph, torch.is_grad_enabled())
+        gm.recompile()
+        kept.append(gm)
     return gm, out_spec, outputs
 
 
