@@ -13,6 +13,12 @@ import pytest
 import torch
 from vmap_reference import fresh_start
 
+# pytest-xdist runs a worker per core: each worker's torch would run a pool of a thread per
+# core too, and the workers' OpenMP threads, spinning while they wait, took the cores from
+# each other (the suite ran 15-45% slower)
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+
 _DEVICE = os.environ.get("TORCHLEVELS_TEST_DEVICE")
 if _DEVICE:
     torch.set_default_device(_DEVICE)
