@@ -514,3 +514,14 @@ def test_the_buffer_itself_as_an_output_matches_torch_func(api):
                     torch.utils._pytree.tree_leaves(run(tf))):
         assert type(a) is torch.Tensor
         torch.testing.assert_close(a, e)
+
+
+def test_a_tensor_of_an_enclosing_vmap_read_through_a_view_of_another_dtype_is_refused():
+    def f(x, y):
+        z = torch.complex(y, y)
+        parts = torch.view_as_real(z)  # an as_strided view of z could not stand for it
+        z[0] = x[0] * 2
+        return (parts * x[:, None]).sum()
+
+    with pytest.raises(CapturedMutationError, match="another dtype"):
+        tl.vmap(tl.grad(f))(X[:, :3], T[:, :3])

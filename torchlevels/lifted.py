@@ -235,6 +235,11 @@ def _level_tensor_refusal(written: LevelTensor, base: LevelTensor | None,
         return f"it is a {memory.layout} tensor"
     if not any(resolved(a) is t for a in _writing.get() for t in (base, *views)):
         return "it is not a tensor the call names (PyTorch's own code made it)"
+    for view in views:  # (an as_strided view of the holder reads its dtype, without bits)
+        if (view.dtype, view.is_conj(), view.is_neg()) != (
+                base.dtype, base.is_conj(), base.is_neg()):
+            return ("it or another view of the same memory reads it as another dtype or "
+                    "through a conj or neg bit")
     return _unaccounted(base, views)
 
 
