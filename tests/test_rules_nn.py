@@ -735,7 +735,9 @@ def test_per_example_norm_gradients_in_16_bit(dtype, norm):
     assert torch.equal(got[0], expected[0])
     for g, e in zip(got[1:], expected[1:]):
         assert g.dtype == e.dtype
-        torch.testing.assert_close(g, e)
+        # a few ulps: the kernel's 16-bit sums, in an order that depends on torch's
+        # thread count
+        torch.testing.assert_close(g, e, rtol=4 * torch.finfo(dtype).eps, atol=1e-3)
 
 
 # -- losses -------------------------------------------------------------------------------

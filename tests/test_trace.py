@@ -475,8 +475,8 @@ def test_tracing_anew_keeps_no_source_of_the_graphs_it_frees():
     before = compiled_sources()
     for _ in range(20):
         tl.trace(f)(x)
-    gc.collect()  # (a module holds reference cycles)
-    assert compiled_sources() == before
+    gc.collect()  # (a module holds reference cycles; other tests' graphs may go too)
+    assert not compiled_sources() - before
     del gm
     gc.collect()
     assert key not in linecache.cache
