@@ -805,6 +805,9 @@ def _numbers(result) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(frame))
 
 
+TPCH_SCALE = 1  # tests/test_benchmarks.py builds the group at a small scale
+
+
 def tpch_group() -> list[Benchmark]:
     """(k) TPC-H Q1, Q3, Q6 at scale 1: torchlevels.relational against DuckDB, Polars and
     pandas on in-memory tables, all on every core."""
@@ -819,7 +822,7 @@ def tpch_group() -> list[Benchmark]:
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
     import tpch
 
-    folder = tpch.generate(1)
+    folder = tpch.generate(TPCH_SCALE)
 
     def timed(load):
         start = time.perf_counter()
@@ -856,7 +859,7 @@ def tpch_group() -> list[Benchmark]:
         notes = (load_note,) if name == "q1" else ()
         notes += (f"torchlevels' first call (compiling its fused kernels, once per process): "
                   f"{first:.1f} s.",)
-        benchmarks.append(Benchmark(f"TPC-H {name.upper()} (SF1)", {
+        benchmarks.append(Benchmark(f"TPC-H {name.upper()} (SF{TPCH_SCALE:g})", {
             TORCH_FUNC: duck(name),
             TORCHLEVELS: on(lambda t, name=name: tpch.run(name, t), ours),
             POLARS: on(getattr(ref, f"polars_{name}"), frames_pl),
