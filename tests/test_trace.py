@@ -114,6 +114,32 @@ def test_trace_and_compile_refuse_data_dependent_control_flow():
         tl.compile(lambda x: x + 1 if torch.equal(x, x) else x)(torch.randn(3))
 
 
+def test_a_data_dependent_read_is_reported_at_the_users_line():
+    def branchy(x):
+        return x * 2 if x.sum() > 0 else -x  # the read
+
+    def listed(x):
+        return x * len(x.tolist())  # the read
+
+    for f in (branchy, listed):
+        with pytest.raises(tl.DataDependentError) as error:
+            tl.trace(tl.vmap(tl.grad(lambda x, f=f: f(x).sum())))(torch.randn(2, 3))
+        line = f.__code__.co_firstlineno + 1
+        assert f"at {__file__}:{line} (`return x * " in str(error.value)
+
+
+def test_a_distributions_argument_check_is_named_with_its_fix():
+    def log_likelihood(mu, x):
+        return torch.distributions.Normal(mu, mu.exp()).log_prob(x).sum()
+
+    with pytest.raises(tl.DataDependentError, match="validate_args=False"):
+        tl.compile(tl.vmap(tl.grad(log_likelihood)))(torch.randn(4, 3), torch.randn(4, 3))
+    no_check = tl.compile(tl.vmap(tl.grad(lambda mu, x: torch.distributions.Normal(
+        mu, mu.exp(), validate_args=False).log_prob(x).sum())))
+    mu, x = torch.randn(4, 3), torch.randn(4, 3)
+    torch.testing.assert_close(no_check(mu, x), tf.vmap(tf.grad(log_likelihood))(mu, x))
+
+
 # -- compile: equal to eager on the autodiff workloads ----------------------------------
 
 

@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
+import traceback
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from traceback import FrameSummary
 from typing import Any
 
 import torch
@@ -105,7 +108,8 @@ def _trace(func: Callable, args: tuple, kwargs: dict) -> tuple[GraphModule, Any,
         except RuntimeError as e:
             if "data-dependent" not in str(e):
                 raise
-            raise DataDependentError(_data_dependent(func, "aten._local_scalar_dense")) from e
+            raise DataDependentError(_data_dependent(
+            func, "aten._local_scalar_dense", traceback.extract_tb(e.__traceback__))) from e
         _check_no_python_values(gm, func)
         drop_aliases(gm)
         _read_through_saved_outputs(gm)
@@ -223,7 +227,8 @@ class _TracedCalls(TorchFunctionMode):
 
     def __torch_function__(self, f, types, args=(), kwargs=None):
         if f in self._READS:
-            raise DataDependentError(_data_dependent(self.func, f"Tensor.{f.__name__}"))
+            raise DataDependentError(_data_dependent(self.func, f"Tensor.{f.__name__}",
+                                                     traceback.extract_stack()))
         if getattr(f, "__self__", None) in _DATA:  # t.data
             self.reading_data, reading = True, self.reading_data
             try:
@@ -240,14 +245,31 @@ def _check_no_python_values(gm: GraphModule, func: Callable) -> None:
             raise DataDependentError(_data_dependent(func, str(node.target.overloadpacket)))
 
 
-def _data_dependent(func: Callable, op: str) -> str:
+def _data_dependent(func: Callable, op: str, frames: Sequence[FrameSummary] = ()) -> str:
+    """The error for ``func``, which read a tensor's value through ``op``, with where
+    (``frames``: the stack when it read, innermost last) if known."""
     name = getattr(func, "__name__", repr(func))
+    user = [f for f in frames if not f.filename.startswith(_LIBRARIES)]
+    where = ""
+    if user:
+        where = f" at {user[-1].filename}:{user[-1].lineno}"
+        where += f" (`{user[-1].line}`)" if user[-1].line else ""
+    distributions = os.path.join(_LIBRARIES[0], "distributions", "")
+    advice = (" torch.distributions reads its arguments' values to check them: make the "
+              "distribution with validate_args=False."
+              if any(f.filename.startswith(distributions) for f in frames) else "")
     return (
         f"trace/compile: {name} reads a tensor's value into Python ({op}, from `.item()`, "
-        "`if t:`, `.tolist()`, `torch.equal` or a shape that depends on values), so a traced "
-        "graph would hold what Python did for these inputs only. Keep such code out of the "
-        "traced function, express the branch with torch.where, or run it eagerly."
+        f"`if t:`, `.tolist()`, `torch.equal` or a shape that depends on values){where}, so a "
+        "traced graph would hold what Python did for these inputs only. Keep such code out "
+        "of the traced function, express the branch with torch.where, or run it eagerly."
+        + advice
     )
+
+
+# PyTorch's and torchlevels' own files: the frame of a read outside them is the user's
+_LIBRARIES = (os.path.join(os.path.dirname(torch.__file__), ""),
+              os.path.join(os.path.dirname(os.path.dirname(__file__)), ""))
 
 
 class CompiledFunction:
