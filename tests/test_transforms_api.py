@@ -1689,6 +1689,32 @@ def test_autograd_outside_per_example_transforms_matches_torch_func(case, tracke
     torch.testing.assert_close(grads[0], grads[1])
 
 
+@pytest.mark.parametrize("transform", ["vmap(vjp)", "jacrev"])
+def test_jacobians_wrt_a_layer_norms_weight_with_its_input_tracked_outside_are_autograds(
+        transform):
+    # torch.func's outside gradient is wrong here (found by a sweep of the OpInfos with a
+    # captured argument autograd tracks); the reference is plain autograd, row by row
+    gen = seeded(0)
+    x0, w0, b0 = (torch.randn(*s, generator=gen, dtype=torch.float64)
+                  for s in [(2, 3), (3,), (3,)])
+    x, b = x0.clone().requires_grad_(), b0.clone().requires_grad_()
+    f = lambda w: F.layer_norm(x, (3,), w, b)  # noqa: E731
+    out, vjp_fn = tl.vjp(f, w0)
+    cotangents = torch.eye(out.numel(), dtype=out.dtype).view(-1, *out.shape)
+    if transform == "jacrev":
+        rows = tl.jacrev(f)(w0).flatten(0, 1)
+    else:
+        rows = tl.vmap(vjp_fn)(cotangents)[0]
+    got = torch.autograd.grad((rows * rows.cos()).sum(), x)  # (b: no part in the rows)
+    w = w0.clone().requires_grad_()
+    o = F.layer_norm(x, (3,), w, b)
+    expected_rows = torch.stack([torch.autograd.grad(o, w, ct, create_graph=True)[0]
+                                 for ct in cotangents])
+    torch.testing.assert_close(rows, expected_rows)
+    torch.testing.assert_close(
+        got, torch.autograd.grad((expected_rows * expected_rows.cos()).sum(), x))
+
+
 # ops whose forward-AD formula plain autograd cannot differentiate again (PyTorch's own
 # forward AD then backward raises for them): under jvp with autograd outside
 JVP_THEN_BACKWARD = {
