@@ -491,14 +491,14 @@ def test_tracing_anew_keeps_no_source_of_the_graphs_it_frees():
     import gc
     import linecache
 
+    def compiled_sources():
+        return {k for k in linecache.cache if k.startswith("<eval_with_key>")}
+
     f = tl.vmap(tl.grad(lambda x: x.sin().sum()))
     x = torch.randn(3, 4)
     gm = tl.trace(f)(x)
     key = type(gm).forward.__code__.co_filename
     assert linecache.getline(key, 1)  # the source, while the graph lives
-    def compiled_sources():
-        return {k for k in linecache.cache if k.startswith("<eval_with_key>")}
-
     before = compiled_sources()
     for _ in range(20):
         tl.trace(f)(x)

@@ -108,8 +108,9 @@ def _trace(func: Callable, args: tuple, kwargs: dict) -> tuple[GraphModule, Any,
         except RuntimeError as e:
             if "data-dependent" not in str(e):
                 raise
-            raise DataDependentError(_data_dependent(
-            func, "aten._local_scalar_dense", traceback.extract_tb(e.__traceback__))) from e
+            frames = traceback.extract_tb(e.__traceback__)
+            raise DataDependentError(
+                _data_dependent(func, "aten._local_scalar_dense", frames)) from e
         _check_no_python_values(gm, func)
         drop_aliases(gm)
         _read_through_saved_outputs(gm)
@@ -245,6 +246,12 @@ def _check_no_python_values(gm: GraphModule, func: Callable) -> None:
             raise DataDependentError(_data_dependent(func, str(node.target.overloadpacket)))
 
 
+# PyTorch's and torchlevels' own files: the frame of a read outside them is the user's
+_LIBRARIES = (os.path.join(os.path.dirname(torch.__file__), ""),
+              os.path.join(os.path.dirname(os.path.dirname(__file__)), ""))
+_DISTRIBUTIONS = os.path.join(_LIBRARIES[0], "distributions", "")
+
+
 def _data_dependent(func: Callable, op: str, frames: Sequence[FrameSummary] = ()) -> str:
     """The error for ``func``, which read a tensor's value through ``op``, with where
     (``frames``: the stack when it read, innermost last) if known."""
@@ -254,10 +261,9 @@ def _data_dependent(func: Callable, op: str, frames: Sequence[FrameSummary] = ()
     if user:
         where = f" at {user[-1].filename}:{user[-1].lineno}"
         where += f" (`{user[-1].line}`)" if user[-1].line else ""
-    distributions = os.path.join(_LIBRARIES[0], "distributions", "")
     advice = (" torch.distributions reads its arguments' values to check them: make the "
               "distribution with validate_args=False."
-              if any(f.filename.startswith(distributions) for f in frames) else "")
+              if any(f.filename.startswith(_DISTRIBUTIONS) for f in frames) else "")
     return (
         f"trace/compile: {name} reads a tensor's value into Python ({op}, from `.item()`, "
         f"`if t:`, `.tolist()`, `torch.equal` or a shape that depends on values){where}, so a "
@@ -265,11 +271,6 @@ def _data_dependent(func: Callable, op: str, frames: Sequence[FrameSummary] = ()
         "of the traced function, express the branch with torch.where, or run it eagerly."
         + advice
     )
-
-
-# PyTorch's and torchlevels' own files: the frame of a read outside them is the user's
-_LIBRARIES = (os.path.join(os.path.dirname(torch.__file__), ""),
-              os.path.join(os.path.dirname(os.path.dirname(__file__)), ""))
 
 
 class CompiledFunction:
